@@ -1,0 +1,178 @@
+"""The `miles-async` command line (DESIGN.md, "Launch and the command line").
+
+It parses a verb and its arguments and hands off to the library, which it imports only when the
+verb runs, so that `--help` stays fast and pulls in neither torch nor ZeroMQ. A verb whose code is
+not written yet says so on stderr and exits with status 2; it never pretends to have run.
+
+`miles-async bench TARGET ...` passes every argument after TARGET, `--help` included, to
+`miles_async.bench.TARGET.main(argv)`.
+
+Try it: `miles-async --help`, `miles-async bench runtime --json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+from miles_async import __version__
+
+PROG = "miles-async"
+NOT_IMPLEMENTED_STATUS = 2
+# Each target is the module miles_async.bench.<target>; the text names the peer it is measured against.
+BENCH_TARGETS = {
+    "runtime": "actor messaging, side by side with Ray and raw ZeroMQ",
+    "engine": "embedded-engine generation, side by side with HF generate",
+    "weights": "weight transports, side by side with memcpy",
+    "loop": "the RL loop, async side by side with sync",
+}
+MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3-moe")
+
+# A handler gets the parsed arguments and, for pass-through verbs only, the arguments left over.
+Handler = Callable[[argparse.Namespace, list[str]], int]
+
+
+def _key_value(text: str) -> str:
+    key, sep, _ = text.partition("=")
+    if not sep or not key or key.startswith("-"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an override: write key=value, e.g. trainer.lr=1e-6"
+        )
+    return text
+
+
+def _not_implemented(verb: str, args: argparse.Namespace, extra: list[str]) -> int:
+    print(f"{PROG} {verb}: not implemented yet (see the issue tracker)", file=sys.stderr)
+    return NOT_IMPLEMENTED_STATUS
+
+
+def _bench(args: argparse.Namespace, extra: list[str]) -> int:
+    module_name = f"miles_async.bench.{args.target}"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise  # the benchmark exists but something it imports is missing: show that
+        return _not_implemented(f"bench {args.target}", args, extra)
+    return module.main(extra)
+
+
+def _add_verb(subparsers, name: str, help_text: str, handler: Handler, **kwargs) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(name, help=help_text, description=help_text, **kwargs)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Asynchronous RL post-training on an actor runtime of its own. "
+        f"Verbs whose code is not written yet say so and exit with status {NOT_IMPLEMENTED_STATUS}.",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    run = _add_verb(
+        verbs, "run", "run the whole loop on this node", functools.partial(_not_implemented, "run")
+    )
+    run.add_argument("recipe", metavar="RECIPE.toml", help="the recipe")
+    run.add_argument("--out", metavar="DIR", help="run directory (default: a new folder under runs/)")
+    run.add_argument(
+        "overrides",
+        nargs="*",
+        type=_key_value,
+        metavar="key=value",
+        help="override a config field by dotted path",
+    )
+
+    launch = _add_verb(
+        verbs,
+        "launch",
+        "start this node's part of a multi-node run",
+        functools.partial(_not_implemented, "launch"),
+    )
+    launch.add_argument("--nnodes", type=int, required=True, metavar="N", help="number of nodes")
+    launch.add_argument("--node-rank", type=int, required=True, metavar="R", help="this node's rank, 0..N-1")
+    launch.add_argument("--master-addr", required=True, metavar="A", help="address of node 0")
+    launch.add_argument("--master-port", type=int, required=True, metavar="P", help="port on node 0")
+    launch.add_argument("recipe", metavar="RECIPE.toml", help="the recipe")
+
+    serve = verbs.add_parser(
+        "serve", help="serve an engine or a session server", description="Serve over HTTP."
+    )
+    servers = serve.add_subparsers(dest="server", metavar="SERVER", required=True)
+    engine = _add_verb(
+        servers,
+        "engine",
+        "the embedded engine behind SGLang's native HTTP API",
+        functools.partial(_not_implemented, "serve engine"),
+    )
+    engine.add_argument("--model", required=True, metavar="DIR", help="Hugging Face checkpoint folder")
+    engine.add_argument(
+        "--host", default="127.0.0.1", metavar="H", help="address to bind (default: %(default)s)"
+    )
+    engine.add_argument("--port", type=int, default=30000, metavar="P", help="port (default: %(default)s)")
+    session = _add_verb(
+        servers,
+        "session",
+        "the TITO session server, OpenAI-compatible",
+        functools.partial(_not_implemented, "serve session"),
+    )
+    session.add_argument("--engine", required=True, metavar="URL", help="URL of the engine to route to")
+    session.add_argument("--port", type=int, default=8000, metavar="P", help="port (default: %(default)s)")
+
+    sim = _add_verb(
+        verbs, "sim", "replay a recorded trace in the simulator", functools.partial(_not_implemented, "sim")
+    )
+    sim.add_argument("trace", metavar="TRACE.jsonl", help="a run's trace.jsonl")
+    sim.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    bench = verbs.add_parser(
+        "bench",
+        help="side-by-side benchmarks",
+        description="Benchmarks that print JSON. Arguments after TARGET go to the benchmark itself: "
+        "`miles-async bench TARGET --help` lists them.",
+    )
+    targets = bench.add_subparsers(dest="target", metavar="TARGET", required=True)
+    for target, help_text in BENCH_TARGETS.items():
+        # add_help=False: --help after TARGET belongs to the benchmark's own parser.
+        _add_verb(targets, target, help_text, _bench, add_help=False).set_defaults(passes_through=True)
+
+    init_model = _add_verb(
+        verbs,
+        "init-model",
+        "write a randomly initialised model and its tokenizer",
+        functools.partial(_not_implemented, "init-model"),
+    )
+    init_model.add_argument("--family", required=True, choices=MODEL_FAMILIES, help="model family")
+    init_model.add_argument(
+        "--preset", default="tiny", metavar="NAME", help="size preset (default: %(default)s)"
+    )
+    init_model.add_argument("--out", required=True, metavar="DIR", help="folder to write")
+
+    plot = _add_verb(verbs, "plot", "write PNG plots of a run", functools.partial(_not_implemented, "plot"))
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "passes_through", False):
+        return args.handler(args, extra)
+    if extra and hasattr(args, "overrides") and not any(text.startswith("-") for text in extra):
+        # argparse leaves over the overrides that follow an option (`run R --out D k=v`).
+        try:
+            args.overrides += [_key_value(text) for text in extra]
+        except argparse.ArgumentTypeError as e:
+            parser.error(str(e))
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args.handler(args, [])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

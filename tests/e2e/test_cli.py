@@ -1,0 +1,107 @@
+"""The `miles-async` command line, run as a real process: help, version, and the verbs that are
+not written yet, which must say so and exit with status 2 rather than pretend to have run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+from miles_async import bench
+from miles_async.launch import cli
+
+TIMEOUT_S = 60
+NOT_IMPLEMENTED = ": not implemented yet (see the issue tracker)"
+
+
+def miles_async(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "miles_async.launch.cli", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+
+
+def test_help_lists_every_verb() -> None:
+    result = miles_async("--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: miles-async")
+    for verb in ("run", "launch", "serve", "sim", "bench", "init-model", "plot"):
+        assert verb in result.stdout
+
+
+def test_version() -> None:
+    result = miles_async("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "miles-async 0.1.0"
+
+
+@pytest.mark.parametrize(
+    "verb",
+    ["run", "launch", "serve", "serve engine", "serve session", "sim", "bench", "init-model", "plot"],
+)
+def test_help_of_each_verb(verb: str) -> None:
+    result = miles_async(*verb.split(), "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: miles-async {verb}")
+
+
+@pytest.mark.parametrize(
+    ("label", "command_line"),
+    [
+        ("run", "run recipe.toml --out runs/x trainer.lr=1e-6"),
+        ("launch", "launch --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 recipe.toml"),
+        ("serve engine", "serve engine --model models/tiny --port 30001"),
+        ("serve session", "serve session --engine http://127.0.0.1:30000"),
+        ("sim", "sim trace.jsonl --json"),
+        ("bench engine", "bench engine --json"),
+        ("bench weights", "bench weights --json"),
+        ("bench loop", "bench loop --json"),
+        ("init-model", "init-model --family qwen3 --preset tiny --out models/tiny"),
+        ("plot", "plot runs/x"),
+    ],
+)
+def test_unwritten_verbs_say_so(label: str, command_line: str) -> None:
+    result = miles_async(*command_line.split())
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"miles-async {label}{NOT_IMPLEMENTED}"
+    assert result.stdout == ""
+
+
+def test_unknown_argument_is_an_error() -> None:
+    result = miles_async("plot", "runs/x", "--bogus")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --bogus" in result.stderr
+
+
+@pytest.mark.parametrize("argv", [["run", "r.toml", "lr"], ["run", "r.toml", "--out", "runs/x", "lr"]])
+def test_override_must_be_key_value(argv: list[str]) -> None:
+    result = miles_async(*argv)
+    assert result.returncode == 2
+    assert "'lr' is not an override: write key=value" in result.stderr
+
+
+def test_bench_passes_its_arguments_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    # In-process, with a stand-in for the benchmark module: what is under test is the hand-off.
+    seen: list[list[str]] = []
+
+    def fake_main(argv: list[str]) -> int:
+        seen.append(argv)
+        return 7
+
+    monkeypatch.setitem(sys.modules, "miles_async.bench.runtime", types.SimpleNamespace(main=fake_main))
+    assert cli.main(["bench", "runtime", "--json", "--help", "--rounds=3", "x"]) == 7
+    assert seen == [["--json", "--help", "--rounds=3", "x"]]
+
+
+def test_bench_does_not_hide_a_broken_benchmark(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    # A benchmark that exists but fails to import must show its error, not "not implemented yet".
+    (tmp_path / "runtime.py").write_text("import a_dependency_that_is_not_installed\n")
+    monkeypatch.setattr(bench, "__path__", [str(tmp_path), *bench.__path__])
+    monkeypatch.delitem(sys.modules, "miles_async.bench.runtime", raising=False)
+    with pytest.raises(ModuleNotFoundError, match="a_dependency_that_is_not_installed"):
+        cli.main(["bench", "runtime"])
