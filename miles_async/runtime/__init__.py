@@ -1,0 +1,31 @@
+"""The actor runtime: actors, mailboxes over ZeroMQ, msgspec messages, supervision, clocks.
+
+It knows nothing of RL; the roles in `miles_async.actors` are built on it. See `system.py` for
+an example, `actor.py` for handler semantics, `wire.py` for the frames on the wire.
+"""
+
+from miles_async.runtime.actor import Actor, handler
+from miles_async.runtime.clock import Clock, RealClock, VirtualClock
+from miles_async.runtime.config import RuntimeConfig
+from miles_async.runtime.errors import (
+    ActorDeadError,
+    ActorError,
+    AskTimeoutError,
+    BadMessageError,
+    Failure,
+    MailboxFullError,
+    RemoteError,
+    SpawnError,
+    UnknownActorError,
+)
+from miles_async.runtime.loop import run
+from miles_async.runtime.messages import ActorAddress, Message
+from miles_async.runtime.refs import ActorRef
+from miles_async.runtime.supervision import RestartPolicy
+from miles_async.runtime.system import ActorSystem
+
+__all__ = [
+    "Actor", "ActorAddress", "ActorDeadError", "ActorError", "ActorRef", "ActorSystem", "AskTimeoutError",
+    "BadMessageError", "Clock", "Failure", "MailboxFullError", "Message", "RealClock", "RemoteError",
+    "RestartPolicy", "RuntimeConfig", "SpawnError", "UnknownActorError", "VirtualClock", "handler", "run",
+]

@@ -1,0 +1,51 @@
+"""The runtime's configuration (one frozen struct; recipes fill it from TOML)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How a process hosts actors and talks to other processes.
+
+    transport: `ipc` (Unix sockets, one node) or `tcp` (across nodes).
+    host: the interface tcp binds to; loopback unless you mean to be reached from other hosts.
+    curve: ZeroMQ CURVE authentication; None means on for tcp on a non-loopback host.
+    run_dir: where ipc sockets and the run's keys live (a fresh temporary folder by default).
+    heartbeat_interval_s / heartbeat_timeout_s: a peer silent for the timeout is declared lost
+        (its pending asks fail with `ActorDeadError`). Handlers must not block the event loop for
+        that long (run heavy work with `asyncio.to_thread`).
+    ask_timeout_s: the default timeout of `ask`.
+    spawn_timeout_s: how long a child process may take to start its actor.
+    stop_grace_s: how long a stopping actor's running handlers may take before they are cancelled.
+    max_message_bytes: larger frames are refused by the socket (tensors go through transports).
+    """
+
+    transport: Literal["ipc", "tcp"] = "ipc"
+    host: str = "127.0.0.1"
+    curve: bool | None = None
+    run_dir: str | None = None
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+    ask_timeout_s: float = 60.0
+    spawn_timeout_s: float = 60.0
+    stop_grace_s: float = 5.0
+    max_message_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("ipc", "tcp"):
+            raise ValueError(f"RuntimeConfig.transport must be 'ipc' or 'tcp', got {self.transport!r}")
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
+            raise ValueError("RuntimeConfig needs 0 < heartbeat_interval_s < heartbeat_timeout_s, got "
+                             f"{self.heartbeat_interval_s} and {self.heartbeat_timeout_s}")
+        for field in ("ask_timeout_s", "spawn_timeout_s", "stop_grace_s"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"RuntimeConfig.{field} must be > 0, got {getattr(self, field)}")
+
+    @property
+    def use_curve(self) -> bool:
+        if self.curve is not None:
+            return self.curve
+        return self.transport == "tcp" and self.host not in ("127.0.0.1", "localhost", "::1")

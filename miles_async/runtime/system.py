@@ -1,0 +1,1176 @@
+"""`ActorSystem`: one per process. Hosts actors behind one ZeroMQ ROUTER, sends through Links.
+
+    async with ActorSystem() as system:                       # binds ipc://<run_dir>/root.sock
+        counter = await system.spawn(Counter, "counter")      # in this process
+        worker = await system.spawn(Worker, "w0", process=True,
+                                    restart=RestartPolicy(mode="on_failure"))
+        await counter.tell(Add(amount=2))
+        total = await counter.ask(Get(), timeout_s=5)
+
+What lives here:
+- hosting: each hosted actor has a mailbox (a deque) and runs one handler at a time (see
+  `actor.py`); frames from the ROUTER are decoded with the actor's one typed decoder and
+  delivered; a bad frame gets a typed ERROR reply and nothing else happens;
+- calling: one Link per host process (refs.py); replies, ACKs and PONGs come back on it;
+- supervision: every spawned actor has an owner (an actor, or the system); when it dies the
+  owner's system applies its `RestartPolicy`, restarting it in place, respawning its process,
+  or leaving it dead (callers then get `ActorDeadError` with the root cause);
+- liveness: every Link pings its host; a host silent for `heartbeat_timeout_s` is lost, and a
+  child process's exit is seen at once through its sentinel;
+- the directory (names to addresses) is an actor, `$directory`, on the first system of a run.
+
+Sockets are plain (non-asyncio) pyzmq sockets driven by `loop.add_reader` on their FD, drained
+with non-blocking receives: far cheaper per message than a Future per `recv`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import zmq
+
+from miles_async.runtime import security, wire
+from miles_async.runtime.actor import Actor, HandlerSpec, handler
+from miles_async.runtime.config import RuntimeConfig
+from miles_async.runtime.eager import PENDING, start
+from miles_async.runtime.errors import (
+    ActorDeadError,
+    ActorError,
+    AskTimeoutError,
+    BadMessageError,
+    Failure,
+    RemoteError,
+    SpawnError,
+    UnknownActorError,
+)
+from miles_async.runtime.messages import (
+    ActorAddress,
+    ChildDied,
+    ChildReady,
+    ListNames,
+    Lookup,
+    Message,
+    Register,
+    RestartActor,
+    ShutdownSystem,
+    StopActor,
+    Unregister,
+)
+from miles_async.runtime.refs import ActorRef, Link, reply_decoder
+from miles_async.runtime.supervision import RestartPolicy
+
+log = logging.getLogger("miles_async.runtime")
+
+A = TypeVar("A", bound=Actor)
+
+STARTING, RUNNING, RESTARTING, DEAD, STOPPING, STOPPED = "starting", "running", "restarting", "dead", "stopping", "stopped"
+SYSTEM_ACTOR, DIRECTORY_ACTOR = "$system", "$directory"
+_BATCH = 512  # frames handled per wake-up before yielding to other callbacks
+_PING = wire.frame(wire.PING, 0)
+_send, _recv, _get = wire.raw_send, wire.raw_recv, wire.raw_get
+NOBLOCK, SNDMORE_NOBLOCK, EVENTS, RCVMORE, POLLIN = (
+    wire.NOBLOCK, wire.SNDMORE_NOBLOCK, wire.EVENTS, wire.RCVMORE, wire.POLLIN)
+
+
+class _Env:
+    """One delivered message: where its outcome goes (a remote identity, or a local future)."""
+
+    __slots__ = ("fut", "ident", "is_ask", "msg", "msg_id", "spec", "timer")
+
+    def __init__(self, ident: bytes | None, msg_id: int, is_ask: bool, msg: Message, spec: HandlerSpec,
+                 fut: asyncio.Future[Any] | None, timer: asyncio.TimerHandle | None) -> None:
+        self.timer = timer
+        self.ident = ident
+        self.msg_id = msg_id
+        self.is_ask = is_ask
+        self.msg = msg
+        self.spec = spec
+        self.fut = fut
+
+
+class _Hosted:
+    """An actor hosted by this process: its instance, mailbox and state."""
+
+    __slots__ = (
+        "actor",
+        "args",
+        "backlog",
+        "capacity",
+        "cls",
+        "failure",
+        "kwargs",
+        "main",
+        "name",
+        "owner",
+        "owner_address",
+        "queue",
+        "route",
+        "running",
+        "state",
+        "table",
+        "tasks",
+    )
+
+    def __init__(self, name: str, cls: type[Actor], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 owner: str, owner_address: str) -> None:
+        self.name = name
+        self.cls = cls
+        self.args = args
+        self.kwargs = kwargs
+        self.table = cls.handler_table()
+        self.capacity = int(cls.mailbox_capacity)
+        self.owner = owner
+        self.owner_address = owner_address
+        self.actor: Actor | None = None
+        self.queue: deque[_Env] = deque()
+        self.running = False
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.state = STARTING
+        self.failure: Failure | None = None
+        self.backlog: dict[bytes, int] = {}
+        self.route = name.encode()
+        self.main = False  # the actor a child process was started for
+
+
+class _Child:
+    """The owner's record of an actor it spawned (here or in a child process)."""
+
+    __slots__ = (
+        "address",
+        "args",
+        "capacity",
+        "cls",
+        "exited",
+        "kwargs",
+        "name",
+        "owner",
+        "policy",
+        "process",
+        "ready",
+        "reported",
+        "restarts",
+        "state",
+    )
+
+    def __init__(self, name: str, cls: type[Actor], args: tuple[Any, ...], kwargs: dict[str, Any], owner: str,
+                 policy: RestartPolicy, process: bool, capacity: int) -> None:
+        self.name = name
+        self.cls = cls
+        self.args = args
+        self.kwargs = kwargs
+        self.owner = owner
+        self.policy = policy
+        self.process: multiprocessing.process.BaseProcess | None = None if not process else _NOT_STARTED
+        self.address = ""
+        self.capacity = capacity
+        self.restarts: list[float] = []
+        self.state = STARTING
+        self.ready: asyncio.Future[str] | None = None
+        self.reported: Failure | None = None  # what the child said before its process exited
+        self.exited: asyncio.Future[None] | None = None
+
+
+_NOT_STARTED: Any = object()
+
+
+class ActorSystem:
+    """The actor host of one process (see the module docstring)."""
+
+    def __init__(self, name: str = "root", *, config: RuntimeConfig | None = None, directory: str | None = None,
+                 bind: str | None = None, key_dir: str | None = None) -> None:
+        self.name = name
+        self.config = config or RuntimeConfig()
+        self._directory_address = directory  # None: this system hosts the run's directory
+        self._bind = bind
+        self._key_dir = key_dir
+        self._owns_run_dir = False
+        self.run_dir = ""
+        self.address = ""
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self._ctx: zmq.Context | None = None
+        self._router: zmq.Socket | None = None
+        self._router_scheduled = False
+        self._auth: Any = None
+        self._keys: security.CurveKeys | None = None
+        self._links: dict[str, Link] = {}
+        self._local: Link | None = None
+        self._hosted: dict[bytes, _Hosted] = {}
+        self._children: dict[str, _Child] = {}
+        self._ids = itertools.count(1)
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._acks: dict[tuple[bytes, bytes], int] = {}
+        self._acks_scheduled = False
+        self._background: set[asyncio.Task[Any]] = set()
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._closed: asyncio.Event | None = None
+        self._started = False
+        self._closing = False
+        self._parent_pid = os.getppid()
+        self.watch_parent = False  # set in child processes: exit when the parent is gone
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def __aenter__(self) -> ActorSystem:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._started:
+            raise RuntimeError(f"actor system {self.name!r} is already started")
+        self.loop = asyncio.get_running_loop()
+        self._closed = asyncio.Event()
+        cfg = self.config
+        if cfg.run_dir:
+            self.run_dir = cfg.run_dir
+            Path(self.run_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+        else:
+            self.run_dir = tempfile.mkdtemp(prefix="miles-async-")
+            self._owns_run_dir = True
+            self.config = msgspec.structs.replace(cfg, run_dir=self.run_dir)
+        self._ctx = zmq.Context()
+        if self.config.use_curve:
+            key_dir = self._key_dir or os.path.join(self.run_dir, "keys")
+            if self._key_dir is None and not os.path.exists(os.path.join(key_dir, f"{security.KEY_NAME}.key_secret")):
+                security.generate_run_keys(key_dir)
+            self._key_dir = key_dir
+            self._keys = security.load_run_keys(key_dir)
+            self._auth = security.start_authenticator(self._ctx, key_dir)
+        self._bind_router()
+        self._local = Link(self.address, None, self.loop.time())
+        self._links[self.address] = self._local
+        self._started = True
+        self._host_builtin(SYSTEM_ACTOR, _SystemActor)
+        if self._directory_address is None:
+            self._host_builtin(DIRECTORY_ACTOR, _Directory)
+            self._directory_address = self.address
+        self._heartbeat_task = self.loop.create_task(self._heartbeats())
+
+    def _bind_router(self) -> None:
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)  # replies are bounded by each caller's window
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        if self._keys is not None:
+            security.make_server(sock, self._keys)
+        bind = self._bind
+        if bind is None:
+            if self.config.transport == "ipc":
+                bind = f"ipc://{_ipc_path(self.run_dir, self.name)}"
+            else:
+                bind = f"tcp://{self.config.host}:*"
+        try:
+            sock.bind(bind)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise OSError(f"actor system {self.name!r} cannot bind {bind}: {exc}") from exc
+        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._router = sock
+        self.loop.add_reader(sock.getsockopt(zmq.FD), self._drain_router)
+
+    async def close(self) -> None:
+        """Stop every hosted actor (owned children first), child processes, then the sockets."""
+        if not self._started or self._closing:
+            return
+        self._closing = True
+        for rec in reversed(list(self._children.values())):
+            if rec.state not in (STOPPED, DEAD) or rec.process not in (None, _NOT_STARTED):
+                await self._stop_child(rec)
+        for h in reversed(list(self._hosted.values())):
+            if not h.name.startswith("$"):
+                await self._stop_hosted(h, "its actor system closed")
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        for task in list(self._background):
+            task.cancel()
+        for link in self._links.values():
+            if link.sock is not None:
+                self._close_link_socket(link)
+            self._fail_link(link, wire.problem("SystemClosed", f"actor system {self.name!r} closed"))
+        if self._router is not None:
+            self.loop.remove_reader(self._router.getsockopt(zmq.FD))
+            self._router.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        if self._ctx is not None:
+            self._ctx.term()
+        if self.address.startswith("ipc://"):
+            Path(self.address[len("ipc://"):]).unlink(missing_ok=True)
+        if self._owns_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        assert self._closed is not None
+        self._closed.set()
+
+    async def wait_closed(self) -> None:
+        assert self._closed is not None
+        await self._closed.wait()
+
+    # -- public API -------------------------------------------------------------------------
+
+    def ref(self, entry: ActorAddress) -> ActorRef:
+        """A live ref from an address (e.g. one received inside a message)."""
+        return ActorRef(self, entry)
+
+    @property
+    def directory(self) -> ActorRef:
+        assert self._directory_address is not None, "start() the system first"
+        return self.ref(ActorAddress(name=DIRECTORY_ACTOR, address=self._directory_address, capacity=1024))
+
+    async def lookup(self, name: str, *, timeout_s: float | None = None) -> ActorRef:
+        """The ref of a running actor of this run, by name (asks the run's directory)."""
+        entry = await self.directory.ask(Lookup(name=name), timeout_s=timeout_s)
+        if entry is None:
+            raise UnknownActorError(f"no actor named {name!r} in this run")
+        return self.ref(entry)
+
+    async def spawn(self, cls: type[A], name: str, *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                    process: bool = False, restart: RestartPolicy | None = None, owner: str | None = None) -> ActorRef:
+        """Start an actor named `name` (unique in the run), here or in a new child process.
+
+        `process=True` starts a fresh Python process (spawned, not forked) that hosts it; `cls`,
+        `args` and `kwargs` must then be picklable (the class importable by its module name).
+        `owner` (an actor hosted here) makes the new actor its child; by default the system owns
+        it. Raises `SpawnError` when the constructor or `on_start` fails.
+        """
+        self._check_started()
+        _check_name(name)
+        if not (isinstance(cls, type) and issubclass(cls, Actor)):
+            raise TypeError(f"spawn() takes an Actor subclass, got {cls!r}")
+        cls.handler_table()  # bad handler declarations fail here, in the caller
+        old = self._children.get(name)
+        if old is not None and old.state not in (DEAD, STOPPED):
+            raise ValueError(f"an actor named {name!r} is already running (state {old.state})")
+        if owner is not None and owner != SYSTEM_ACTOR and owner.encode() not in self._hosted:
+            raise ValueError(f"owner {owner!r} is not an actor hosted by this system")
+        rec = _Child(name, cls, tuple(args), dict(kwargs or {}), owner or SYSTEM_ACTOR,
+                     restart or RestartPolicy(), process, int(cls.mailbox_capacity))
+        self._children[name] = rec
+        try:
+            if process:
+                await self._start_process(rec)
+            else:
+                h = self._host(name, cls, rec.args, rec.kwargs, rec.owner, self.address)
+                await self._start_hosted(h)
+                rec.address = self.address
+        except BaseException:
+            rec.state = DEAD
+            raise
+        rec.state = RUNNING
+        entry = ActorAddress(name=name, address=rec.address, capacity=rec.capacity)
+        if not process:
+            await self._register(entry)
+        return self.ref(entry)
+
+    async def stop(self, target: ActorRef | str, *, timeout_s: float | None = None) -> None:
+        """Stop an actor gracefully wherever it runs; it is not restarted."""
+        name = target if isinstance(target, str) else target.name
+        rec = self._children.get(name)
+        if rec is not None:
+            await self._stop_child(rec)
+            return
+        h = self._hosted.get(name.encode())
+        if h is not None:
+            await self._stop_hosted(h, "stopped")
+            return
+        ref = target if isinstance(target, ActorRef) else await self.lookup(name)
+        host = self.ref(ActorAddress(name=SYSTEM_ACTOR, address=ref.address, capacity=1024))
+        await host.ask(StopActor(name=name), timeout_s=timeout_s)
+
+    # -- hosting ----------------------------------------------------------------------------
+
+    def _host(self, name: str, cls: type[Actor], args: tuple[Any, ...], kwargs: dict[str, Any], owner: str,
+              owner_address: str) -> _Hosted:
+        key = name.encode()
+        old = self._hosted.get(key)
+        if old is not None and old.state not in (DEAD, STOPPED):
+            raise ValueError(f"an actor named {name!r} is already hosted here (state {old.state})")
+        h = _Hosted(name, cls, args, kwargs, owner, owner_address)
+        self._hosted[key] = h
+        return h
+
+    def _host_builtin(self, name: str, cls: type[Actor]) -> None:
+        h = self._host(name, cls, (), {}, SYSTEM_ACTOR, self.address)
+        actor = cls()
+        self._bind_actor(h, actor)
+        h.state = RUNNING
+
+    def _bind_actor(self, h: _Hosted, actor: Actor) -> None:
+        actor.name = h.name
+        actor.system = self
+        actor.ref = self.ref(ActorAddress(name=h.name, address=self.address, capacity=h.capacity))
+        h.actor = actor
+
+    async def _start_hosted(self, h: _Hosted) -> None:
+        """Construct the actor and run `on_start`; messages that arrive meanwhile wait."""
+        h.state = STARTING
+        h.failure = None
+        h.actor = None
+        try:
+            actor = h.cls(*h.args, **h.kwargs)
+            self._bind_actor(h, actor)
+            await actor.on_start()
+        except Exception as exc:  # an actor boundary: the owner learns the cause
+            failure = Failure.from_exception(exc)
+            h.state = DEAD
+            h.failure = failure
+            self._fail_queue(h)
+            raise SpawnError(h.name, failure) from exc
+        h.state = RUNNING
+        self._pump(h)
+
+    def _deliver(self, h: _Hosted, env: _Env) -> None:
+        state = h.state
+        if state is RUNNING:
+            if env.spec.concurrent:
+                self._run(h, env, False)
+                return
+            h.queue.append(env)
+            if not h.running:
+                self._pump(h)
+        elif state is STARTING or state is RESTARTING:
+            h.queue.append(env)
+        else:
+            self._complete(h, env, None, ActorDeadError(h.name, h.failure or _stopped(h.name)))
+
+    def _pump(self, h: _Hosted) -> None:
+        queue = h.queue
+        while queue and not h.running and h.state is RUNNING:
+            env = queue.popleft()
+            if env.spec.concurrent:
+                self._run(h, env, False)
+                continue
+            h.running = True
+            if self._run(h, env, True):
+                h.running = False
+
+    def _run(self, h: _Hosted, env: _Env, serial: bool) -> bool:
+        """Run a handler; True if it finished inline, False if a Task carries it on."""
+        spec = env.spec
+        try:
+            if spec.is_async:
+                value, task = start(spec.fn(h.actor, env.msg))
+                if value is PENDING:
+                    assert task is not None
+                    h.tasks.add(task)
+                    task.add_done_callback(lambda t: self._task_done(h, env, serial, t))
+                    return False
+            else:
+                value = spec.fn(h.actor, env.msg)
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - an actor boundary: the fault goes to its caller
+            self._complete(h, env, None, exc)
+            return True
+        self._complete(h, env, value, None)
+        return True
+
+    def _task_done(self, h: _Hosted, env: _Env, serial: bool, task: asyncio.Task[Any]) -> None:
+        h.tasks.discard(task)
+        if task.cancelled():
+            self._complete(h, env, None, asyncio.CancelledError())
+        else:
+            exc = task.exception()
+            self._complete(h, env, None if exc else task.result(), exc)
+        if serial:
+            h.running = False
+            self._pump(h)
+
+    def _complete(self, h: _Hosted, env: _Env, value: Any, exc: BaseException | None) -> None:
+        """Deliver a handler's outcome to its caller; a failed tell crashes the actor."""
+        if exc is not None and h.failure is not None and isinstance(exc, asyncio.CancelledError):
+            exc = ActorDeadError(h.name, h.failure)  # cancelled because the actor died
+        if isinstance(exc, ActorDeadError) and exc.actor != h.name:
+            # the handler let another actor's death escape: that is this handler's failure
+            err = RemoteError(h.name, Failure.from_exception(exc))
+            err.__cause__ = exc
+            exc = err
+        ident = env.ident
+        if ident is None:  # a caller in this process
+            assert self._local is not None
+            self._local.release(h.name)
+            fut = env.fut
+            if env.timer is not None:
+                env.timer.cancel()
+            if fut is not None and not fut.done():
+                if exc is None:
+                    fut.set_result(value)
+                elif isinstance(exc, (ActorDeadError, RemoteError)):
+                    fut.set_exception(exc)
+                else:
+                    err = RemoteError(h.name, Failure.from_exception(exc))
+                    err.__cause__ = exc
+                    fut.set_exception(err)
+        else:
+            left = h.backlog.get(ident, 1) - 1
+            if left:
+                h.backlog[ident] = left
+            else:
+                h.backlog.pop(ident, None)
+            if env.is_ask:
+                if exc is None:
+                    try:
+                        body = self._encode(value)
+                    except (TypeError, ValueError) as enc_exc:
+                        self._reply_error(ident, env.msg_id, h.route, "handler", wire.problem(
+                            "EncodeError", f"{type(env.msg).__name__} handler returned a value that cannot be "
+                            f"sent: {enc_exc}"))
+                    else:
+                        self._router_send(ident, wire.HEAD.pack(wire.REPLY, env.msg_id, 0) + body)
+                elif isinstance(exc, ActorDeadError):
+                    self._reply_error(ident, env.msg_id, h.route, "dead", exc.cause)
+                else:
+                    self._reply_error(ident, env.msg_id, h.route, "handler", Failure.from_exception(exc))
+            elif exc is None or isinstance(exc, ActorDeadError):
+                self._ack(ident, h.route)
+            else:
+                self._reply_error(ident, env.msg_id, h.route, "handler", Failure.from_exception(exc))
+        if exc is not None and not env.is_ask and not isinstance(exc, ActorDeadError) and h.state is RUNNING:
+            log.error("actor %r crashed: a tell handler for %s raised", h.name, type(env.msg).__name__,
+                      exc_info=exc)
+            self._crash(h, Failure.from_exception(exc))
+
+    def _fail_queue(self, h: _Hosted) -> None:
+        failure = h.failure or _stopped(h.name)
+        queue, h.queue = h.queue, deque()
+        for env in queue:
+            self._complete(h, env, None, ActorDeadError(h.name, failure))
+
+    def _crash(self, h: _Hosted, failure: Failure) -> None:
+        """The actor is dead: fail its callers, run `on_failure`, stop its children, tell its owner."""
+        if h.state in (DEAD, STOPPING, STOPPED):
+            return
+        h.state = DEAD
+        h.failure = failure
+        for task in list(h.tasks):
+            task.cancel()
+        self._fail_queue(h)
+        self._background_task(self._after_crash(h, failure))
+
+    async def _after_crash(self, h: _Hosted, failure: Failure) -> None:
+        actor = h.actor
+        if actor is not None:
+            try:
+                await actor.on_failure(failure)
+            except Exception:  # an actor boundary: report and carry on with supervision
+                log.exception("on_failure of actor %r raised", h.name)
+        await self._stop_children_of(h.name)
+        await self._report_death(h, failure)
+
+    async def _report_death(self, h: _Hosted, failure: Failure) -> None:
+        if h.owner_address == self.address:
+            self._on_child_died(h.name, failure)
+            return
+        owner = self.ref(ActorAddress(name=SYSTEM_ACTOR, address=h.owner_address, capacity=1024))
+        try:
+            await owner.tell(ChildDied(name=h.name, cause=failure))
+        except ActorDeadError:
+            log.error("actor %r died and its owner is gone too: %s", h.name, failure.describe())
+
+    async def _stop_hosted(self, h: _Hosted, reason: str) -> None:
+        if h.state in (STOPPING, STOPPED):
+            return
+        was_alive = h.state in (RUNNING, STARTING)
+        h.state = STOPPING
+        h.failure = wire.problem("ActorStopped", f"actor {h.name!r} was stopped ({reason})")
+        self._fail_queue(h)
+        await self._stop_children_of(h.name)
+        if h.tasks:
+            _, late = await asyncio.wait(list(h.tasks), timeout=self.config.stop_grace_s)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late, timeout=1.0)
+        if was_alive and h.actor is not None:
+            try:
+                await h.actor.on_stop()
+            except Exception:  # an actor boundary
+                log.exception("on_stop of actor %r raised", h.name)
+        h.state = STOPPED
+        if not h.name.startswith("$") and not self._closing:
+            self._unregister(h.name)
+
+    # -- supervision (the owner's side) -----------------------------------------------------
+
+    def _on_child_died(self, name: str, failure: Failure) -> None:
+        rec = self._children.get(name)
+        if rec is None or rec.state in (STOPPING, STOPPED, DEAD):
+            return
+        if rec.process is not None:
+            rec.reported = failure
+        if rec.ready is not None and not rec.ready.done():  # it died while (re)starting
+            rec.ready.set_exception(SpawnError(name, failure))
+            return
+        now = self.loop.time()
+        delay = None if self._closing else rec.policy.next_delay(rec.restarts, now)
+        if delay is None:
+            rec.state = DEAD
+            log.error("actor %r died and will not be restarted: %s", name, failure.describe())
+            if rec.process not in (None, _NOT_STARTED):
+                self._background_task(self._stop_child(rec, final_state=DEAD))
+            if rec.policy.escalate:
+                owner = self._hosted.get(rec.owner.encode())
+                if owner is not None and not owner.name.startswith("$"):
+                    self._crash(owner, Failure(type="ChildFailed", message=f"child actor {name!r} died: "
+                                               f"{failure.type}: {failure.message}", traceback=failure.traceback))
+            return
+        rec.state = RESTARTING
+        rec.restarts.append(now)
+        log.warning("actor %r died (%s: %s); restarting in %.2fs", name, failure.type, failure.message, delay)
+        self.loop.call_later(delay, lambda: self._background_task(self._restart(rec)))
+
+    async def _restart(self, rec: _Child) -> None:
+        if rec.state is not RESTARTING or self._closing:
+            return
+        try:
+            if rec.process is None:
+                await self._start_hosted(self._hosted[rec.name.encode()])
+            elif rec.process.is_alive():
+                host = self.ref(ActorAddress(name=SYSTEM_ACTOR, address=rec.address, capacity=1024))
+                await host.ask(RestartActor(name=rec.name), timeout_s=self.config.spawn_timeout_s)
+            else:
+                await self._start_process(rec)
+        except SpawnError as exc:
+            rec.state = RUNNING  # so that the failure below is judged by the policy
+            if rec.process is None:
+                h = self._hosted[rec.name.encode()]
+                h.state = RUNNING
+                self._crash(h, exc.cause)
+            else:
+                self._on_child_died(rec.name, exc.cause)
+            return
+        except (ActorDeadError, AskTimeoutError, RemoteError) as exc:
+            rec.state = RUNNING
+            self._on_child_died(rec.name, Failure.from_exception(exc))
+            return
+        rec.state = RUNNING
+        log.info("actor %r restarted", rec.name)
+
+    async def _stop_children_of(self, owner: str) -> None:
+        for rec in reversed([r for r in self._children.values() if r.owner == owner]):
+            await self._stop_child(rec)
+
+    async def _stop_child(self, rec: _Child, final_state: str = STOPPED) -> None:
+        if rec.state is STOPPED:
+            return
+        rec.state = STOPPING
+        if rec.process is None:
+            h = self._hosted.get(rec.name.encode())
+            if h is not None:
+                await self._stop_hosted(h, "stopped by its owner")
+        elif rec.process is not _NOT_STARTED:
+            await self._stop_process(rec)
+            self._unregister(rec.name)
+        rec.state = final_state
+
+    # -- child processes --------------------------------------------------------------------
+
+    async def _start_process(self, rec: _Child) -> None:
+        from miles_async.runtime import child  # the child entry point imports this module
+
+        if rec.address:
+            bind = rec.address  # a restart binds where the refs point
+        elif self.config.transport == "ipc":
+            bind = f"ipc://{_ipc_path(self.run_dir, rec.name)}"
+        else:
+            bind = f"tcp://{self.config.host}:*"
+        spec = child.ChildSpec(
+            name=rec.name, cls=rec.cls, args=rec.args, kwargs=rec.kwargs, owner=rec.owner,
+            owner_address=self.address, directory=self._directory_address or self.address, bind=bind,
+            config=self.config, key_dir=self._key_dir, sys_path=list(sys.path),
+            log_level=logging.getLogger().getEffectiveLevel())
+        rec.ready = self.loop.create_future()
+        rec.exited = self.loop.create_future()
+        rec.reported = None
+        proc = multiprocessing.get_context("spawn").Process(
+            target=child.main, args=(spec,), name=f"miles-async:{rec.name}")
+        await asyncio.to_thread(proc.start)  # spawning writes the pickled spec; keep the loop free
+        rec.process = proc
+        self.loop.add_reader(proc.sentinel, self._on_process_exit, rec, proc)
+        try:
+            rec.address = await asyncio.wait_for(asyncio.shield(rec.ready), self.config.spawn_timeout_s)
+        except asyncio.TimeoutError:
+            await self._stop_process(rec)
+            raise SpawnError(rec.name, wire.problem(
+                "SpawnTimeout", f"child process did not start actor {rec.name!r} within "
+                f"{self.config.spawn_timeout_s:g}s")) from None
+        link = self._links.get(rec.address)
+        if link is not None and link.dead is not None:
+            self._revive(link)
+
+    def _on_child_ready(self, msg: ChildReady) -> None:
+        rec = self._children.get(msg.name)
+        if rec is not None and rec.ready is not None and not rec.ready.done():
+            rec.ready.set_result(msg.address)
+
+    def _on_process_exit(self, rec: _Child, proc: multiprocessing.process.BaseProcess) -> None:
+        self.loop.remove_reader(proc.sentinel)
+        proc.join(0)
+        code = proc.exitcode
+        if code is not None and code < 0:
+            how = f"was killed by signal {signal.Signals(-code).name}"
+        else:
+            how = f"exited with code {code}"
+        cause = rec.reported or wire.problem(
+            "ProcessExited", f"the process of actor {rec.name!r} (pid {proc.pid}) {how}")
+        if rec.address:
+            link = self._links.get(rec.address)
+            if link is not None:
+                self._link_lost(link, cause, expected=rec.state is STOPPING)
+        if rec.exited is not None and not rec.exited.done():
+            rec.exited.set_result(None)
+        if rec.ready is not None and not rec.ready.done():
+            rec.ready.set_exception(SpawnError(rec.name, cause))
+            return
+        if rec.state is RUNNING:
+            self._on_child_died(rec.name, cause)
+
+    async def _stop_process(self, rec: _Child) -> None:
+        proc = rec.process
+        if proc is None or proc is _NOT_STARTED or rec.exited is None:
+            return
+        if not rec.exited.done() and rec.address:
+            host = self.ref(ActorAddress(name=SYSTEM_ACTOR, address=rec.address, capacity=1024))
+            try:
+                host.tell_nowait(ShutdownSystem())
+            except ActorError as exc:  # already gone or unreachable: escalate to signals below
+                log.debug("could not ask %r to shut down: %s", rec.name, exc)
+        for sig_fn, wait_s in ((None, self.config.stop_grace_s + 2.0), (proc.terminate, 3.0), (proc.kill, 3.0)):
+            if rec.exited.done():
+                break
+            if sig_fn is not None:
+                sig_fn()
+            try:
+                await asyncio.wait_for(asyncio.shield(rec.exited), wait_s)
+            except asyncio.TimeoutError:
+                log.warning("process of actor %r did not exit within %.1fs", rec.name, wait_s)
+
+    # -- directory --------------------------------------------------------------------------
+
+    async def _register(self, entry: ActorAddress) -> None:
+        await self.directory.ask(Register(entry=entry), timeout_s=self.config.spawn_timeout_s)
+
+    def _unregister(self, name: str) -> None:
+        try:
+            self.directory.tell_nowait(Unregister(name=name))
+        except ActorError as exc:  # the directory is gone or busy; the name goes stale, nothing else
+            log.debug("could not unregister %r: %s", name, exc)
+
+    # -- the wire: calling side -------------------------------------------------------------
+
+    def _link_to(self, address: str) -> Link:
+        link = self._links.get(address)
+        if link is None:
+            self._check_started()
+            link = Link(address, self._connect(address), self.loop.time())
+            self._links[address] = link
+            self.loop.add_reader(link.sock.getsockopt(zmq.FD), self._drain_link, link)
+        return link
+
+    def _connect(self, address: str) -> zmq.Socket:
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the per-target windows instead
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if self._keys is not None:
+            security.make_client(sock, self._keys)
+        sock.connect(address)
+        return sock
+
+    def _send(self, link: Link, ref: ActorRef, kind: int, msg: Message, fut: asyncio.Future[Any] | None,
+              timer: asyncio.TimerHandle | None) -> None:
+        """Send (or deliver here) one message; an ask's `fut` gets the outcome, `timer` is its timeout."""
+        if link.sock is None:
+            self._send_local(link, ref, kind, msg, fut, timer)
+            return
+        body = self._encode(msg)
+        msg_id = next(self._ids)
+        if fut is not None:
+            link.pending[msg_id] = [fut, reply_decoder(type(msg)), ref.name, timer]
+        link.used[ref.name] = link.used.get(ref.name, 0) + 1
+        sock = link.sock
+        _send(sock, wire.HEAD.pack(kind, msg_id, len(ref._route)) + ref._route + body, NOBLOCK)
+        if _get(sock, EVENTS) & POLLIN:  # see _kick_link
+            self._kick_link(link)
+
+    def _send_local(self, link: Link, ref: ActorRef, kind: int, msg: Message, fut: asyncio.Future[Any] | None,
+                    timer: asyncio.TimerHandle | None) -> None:
+        h = self._hosted.get(ref._route)
+        if h is None:
+            raise UnknownActorError(f"no actor named {ref.name!r} is hosted at {self.address}")
+        spec = h.table.specs.get(type(msg))
+        if spec is None:
+            raise BadMessageError(f"actor {ref.name!r} does not handle {type(msg).__name__} "
+                                  f"(it handles {', '.join(h.table.names)})")
+        link.used[ref.name] = link.used.get(ref.name, 0) + 1
+        self._deliver(h, _Env(None, 0, kind == wire.ASK, msg, spec, fut, timer))
+
+    async def _wait_room(self, link: Link, ref: ActorRef, timeout_s: float | None) -> float:
+        """Wait until `ref`'s window has room; returns what is left of `timeout_s`."""
+        deadline = None if timeout_s is None else self.loop.time() + timeout_s
+        while link.used.get(ref.name, 0) >= ref.capacity:
+            if link.dead is not None:
+                raise ActorDeadError(ref.name, link.dead)
+            fut = self.loop.create_future()
+            link.waiters.setdefault(ref.name, deque()).append(fut)
+            left = None if deadline is None else deadline - self.loop.time()
+            if left is not None and left <= 0:
+                raise AskTimeoutError(f"mailbox of actor {ref.name!r} stayed full for {timeout_s:g}s")
+            try:
+                await asyncio.wait_for(fut, left)
+            except asyncio.TimeoutError:
+                raise AskTimeoutError(f"mailbox of actor {ref.name!r} stayed full for {timeout_s:g}s") from None
+        if link.dead is not None:
+            raise ActorDeadError(ref.name, link.dead)
+        return self.config.ask_timeout_s if deadline is None else max(0.0, deadline - self.loop.time())
+
+    def _kick_link(self, link: Link) -> None:
+        # ZeroMQ's FD is edge-triggered: a send may consume the edge of frames that arrived
+        # meanwhile, so after each send we check ZMQ_EVENTS and, if frames wait, drain them on
+        # the next loop turn.
+        if not link.scheduled:
+            link.scheduled = True
+            self.loop.call_soon(self._drain_link, link)
+
+    def _drain_link(self, link: Link) -> None:
+        link.scheduled = False
+        sock = link.sock
+        if sock is None or sock.closed:
+            return
+        link.last_heard = self.loop.time()
+        for _ in range(_BATCH):
+            if not _get(sock, EVENTS) & POLLIN:
+                return
+            # hosts of this run send single frames (and CURVE keeps others out), so no
+            # RCVMORE check here: each get costs about a microsecond
+            self._on_link_frame(link, _recv(sock, NOBLOCK))
+        self._kick_link(link)  # more may wait: let other callbacks run first
+
+    def _on_link_frame(self, link: Link, data: bytes) -> None:
+        if link.dead is not None:
+            self._revive(link)
+        try:
+            kind, msg_id, route, body = wire.parse(data)
+        except ValueError as exc:
+            log.warning("dropped a malformed frame from %s: %s", link.address, exc)
+            return
+        if kind == wire.REPLY:
+            entry = link.pending.pop(msg_id, None)
+            if entry is None:
+                return
+            link.release(entry[2])
+            fut = entry[0]
+            if entry[3] is not None:
+                entry[3].cancel()
+            if not fut.done():
+                try:
+                    fut.set_result(entry[1].decode(body))
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    fut.set_exception(BadMessageError(f"reply from actor {entry[2]!r} does not decode: {exc}"))
+        elif kind == wire.ACK:
+            link.release(route.decode(errors="replace"), msg_id)
+        elif kind == wire.ERROR:
+            self._on_error_frame(link, msg_id, route.decode(errors="replace"), body)
+        elif kind != wire.PONG:
+            log.warning("dropped a frame of unknown kind %d from %s", kind, link.address)
+
+    def _on_error_frame(self, link: Link, msg_id: int, target: str, body: memoryview) -> None:
+        try:
+            err = wire.ERROR_DECODER.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            err = wire.ErrorReply(kind="bad_frame", failure=wire.problem("BadFrame", "undecodable error reply"))
+        entry = link.pending.pop(msg_id, None)
+        if entry is not None:
+            link.release(entry[2])
+            if entry[3] is not None:
+                entry[3].cancel()
+            if not entry[0].done():
+                entry[0].set_exception(wire.to_exception(entry[2], err))
+            return
+        if target:
+            link.release(target)  # a tell that was refused or whose handler raised
+        log.warning("actor %r at %s reported on tell #%d: %s: %s", target, link.address, msg_id, err.kind,
+                    err.failure.describe())
+
+    def _link_lost(self, link: Link, cause: Failure, expected: bool = False) -> None:
+        if link.sock is None or link.dead is not None:
+            return
+        log.log(logging.DEBUG if expected else logging.WARNING, "lost contact with %s: %s", link.address,
+                cause.message)
+        # a fresh socket drops frames queued for the dead peer, so a restarted peer never
+        # runs requests that were already failed here
+        self._close_link_socket(link)
+        link.sock = self._connect(link.address)
+        self.loop.add_reader(link.sock.getsockopt(zmq.FD), self._drain_link, link)
+        self._fail_link(link, cause)
+        self._ping(link)  # answered only if the peer comes back (e.g. restarted at this address)
+
+    def _ping(self, link: Link) -> None:
+        assert link.sock is not None
+        try:
+            _send(link.sock, _PING, NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("ping to %s failed: %s", link.address, exc)
+        if _get(link.sock, EVENTS) & POLLIN:
+            self._kick_link(link)
+
+    def _fail_link(self, link: Link, cause: Failure) -> None:
+        link.dead = cause
+        pending, link.pending = link.pending, {}
+        for fut, _, target, timer in pending.values():
+            if timer is not None:
+                timer.cancel()
+            if not fut.done():
+                fut.set_exception(ActorDeadError(target, cause))
+        link.used.clear()
+        link.wake_all()
+
+    def _revive(self, link: Link) -> None:
+        log.info("contact with %s is back", link.address)
+        link.dead = None
+        link.last_heard = self.loop.time()
+
+    def _close_link_socket(self, link: Link) -> None:
+        assert link.sock is not None
+        if not link.sock.closed:
+            self.loop.remove_reader(link.sock.getsockopt(zmq.FD))
+            link.sock.close(linger=0)
+
+    async def _heartbeats(self) -> None:
+        cfg = self.config
+        while True:
+            await asyncio.sleep(cfg.heartbeat_interval_s)
+            now = self.loop.time()
+            for link in list(self._links.values()):
+                if link.sock is None:
+                    continue
+                if link.dead is not None:
+                    continue  # one ping waits in its fresh socket (see _link_lost)
+                if now - link.last_heard > cfg.heartbeat_timeout_s:
+                    self._link_lost(link, wire.problem(
+                        "PeerLost", f"no message from {link.address} for {now - link.last_heard:.1f}s "
+                        f"(heartbeat timeout {cfg.heartbeat_timeout_s:g}s): its process or node is lost"))
+                else:
+                    self._ping(link)
+            if self.watch_parent and os.getppid() != self._parent_pid:
+                log.error("actor system %r: parent process is gone; shutting down", self.name)
+                self._background_task(self.close())
+
+    # -- the wire: hosting side -------------------------------------------------------------
+
+    def _drain_router(self) -> None:
+        self._router_scheduled = False
+        sock = self._router
+        if sock is None or sock.closed:
+            return
+        for _ in range(_BATCH):
+            if not _get(sock, EVENTS) & POLLIN:
+                return
+            ident = _recv(sock, NOBLOCK)  # a ROUTER message always has an identity and a frame
+            data = _recv(sock, NOBLOCK)
+            if _get(sock, RCVMORE):
+                extra = 0
+                while _get(sock, RCVMORE):
+                    _recv(sock, NOBLOCK)
+                    extra += 1
+                self._reply_error(ident, 0, b"", "bad_frame", wire.problem(
+                    "BadFrame", f"a message is one frame; got {extra + 1} frames"))
+                continue
+            self._serve(ident, data)
+        self._kick_router()  # more may wait: let other callbacks run first
+
+    def _kick_router(self) -> None:
+        if not self._router_scheduled:
+            self._router_scheduled = True
+            self.loop.call_soon(self._drain_router)
+
+    def _router_send(self, ident: bytes, data: bytes) -> None:
+        sock = self._router
+        if sock is None or sock.closed:
+            return
+        try:
+            _send(sock, ident, SNDMORE_NOBLOCK)
+            _send(sock, data, NOBLOCK)
+        except zmq.ZMQError as exc:  # the caller disconnected (EHOSTUNREACH): nobody to tell
+            log.debug("reply to a gone caller dropped: %s", exc)
+        if _get(sock, EVENTS) & POLLIN:  # see _kick_link
+            self._kick_router()
+
+    def _reply_error(self, ident: bytes, msg_id: int, route: bytes, kind: wire.ErrorKind, failure: Failure) -> None:
+        self._router_send(ident, wire.frame(wire.ERROR, msg_id, route, wire.error_frame(kind, failure)))
+
+    def _ack(self, ident: bytes, route: bytes) -> None:
+        key = (ident, route)
+        self._acks[key] = self._acks.get(key, 0) + 1
+        if not self._acks_scheduled:
+            self._acks_scheduled = True
+            self.loop.call_soon(self._flush_acks)
+
+    def _flush_acks(self) -> None:
+        self._acks_scheduled = False
+        acks, self._acks = self._acks, {}
+        for (ident, route), count in acks.items():
+            self._router_send(ident, wire.frame(wire.ACK, count, route))
+
+    def _serve(self, ident: bytes, data: bytes) -> None:
+        """Handle one frame from a caller. Bad input gets an ERROR reply, never an exception."""
+        try:
+            kind, msg_id, route, body = wire.parse(data)
+        except ValueError as exc:
+            self._reply_error(ident, 0, b"", "bad_frame", wire.problem("BadFrame", str(exc)))
+            return
+        if kind == wire.PING:
+            self._router_send(ident, wire.frame(wire.PONG, msg_id))
+            return
+        if kind != wire.ASK and kind != wire.TELL:
+            self._reply_error(ident, msg_id, route, "bad_frame", wire.problem(
+                "BadFrame", f"expected an ASK ({wire.ASK}) or TELL ({wire.TELL}) frame, got kind {kind}"))
+            return
+        h = self._hosted.get(route)
+        if h is None:
+            name = route.decode(errors="replace")
+            self._reply_error(ident, msg_id, route, "unknown_actor", wire.problem(
+                "UnknownActor", f"no actor named {name!r} is hosted at {self.address}"))
+            return
+        if h.state in (DEAD, STOPPING, STOPPED):
+            self._reply_error(ident, msg_id, route, "dead", h.failure or _stopped(h.name))
+            return
+        waiting = h.backlog.get(ident, 0)
+        if waiting >= h.capacity:
+            self._reply_error(ident, msg_id, route, "mailbox_full", wire.problem(
+                "MailboxFull", f"actor {h.name!r} already holds {waiting} unfinished messages from this "
+                "caller (its mailbox capacity); wait for replies or acks before sending more"))
+            return
+        try:
+            msg = h.table.decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._reply_error(ident, msg_id, route, "bad_message", wire.problem(
+                "BadMessage", f"actor {h.name!r} (handles {', '.join(h.table.names)}) cannot decode the "
+                f"message: {exc}"))
+            return
+        h.backlog[ident] = waiting + 1
+        self._deliver(h, _Env(ident, msg_id, kind == wire.ASK, msg, h.table.specs[type(msg)], None, None))
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _background_task(self, coro: Any) -> None:
+        task = self.loop.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("runtime task failed", exc_info=task.exception())
+
+    def _check_started(self) -> None:
+        if not self._started or self._closing:
+            raise RuntimeError(f"actor system {self.name!r} is not running (use `async with ActorSystem()`)")
+
+
+class _SystemActor(Actor):
+    """Each system's control endpoint: children report here, owners send orders here."""
+
+    mailbox_capacity = 1 << 16
+
+    @handler(concurrent=True)
+    async def child_ready(self, msg: ChildReady) -> None:
+        self.system._on_child_ready(msg)
+
+    @handler(concurrent=True)
+    async def child_died(self, msg: ChildDied) -> None:
+        self.system._on_child_died(msg.name, msg.cause)
+
+    @handler(concurrent=True)
+    async def stop_actor(self, msg: StopActor) -> None:
+        system = self.system
+        h = system._hosted.get(msg.name.encode())
+        if h is None or h.name.startswith("$"):
+            raise UnknownActorError(f"no actor named {msg.name!r} is hosted at {system.address}")
+        if h.main:  # a child process exists for this actor alone
+            system._background_task(system.close())
+            return
+        rec = system._children.get(msg.name)
+        if rec is not None:
+            await system._stop_child(rec)
+        else:
+            await system._stop_hosted(h, "stopped")
+
+    @handler(concurrent=True)
+    async def restart_actor(self, msg: RestartActor) -> None:
+        system = self.system
+        h = system._hosted.get(msg.name.encode())
+        if h is None:
+            raise UnknownActorError(f"no actor named {msg.name!r} is hosted at {system.address}")
+        await system._start_hosted(h)
+
+    @handler(concurrent=True)
+    async def shutdown(self, msg: ShutdownSystem) -> None:
+        self.system._background_task(self.system.close())
+
+
+
+class _Directory(Actor):
+    """Names to addresses for one run; hosted as `$directory` by the run's first system."""
+
+    mailbox_capacity = 1 << 16
+
+    def __init__(self) -> None:
+        self.entries: dict[str, ActorAddress] = {}
+
+    @handler
+    def register(self, msg: Register) -> None:
+        old = self.entries.get(msg.entry.name)
+        if old is not None and old.address != msg.entry.address:
+            raise ValueError(f"an actor named {msg.entry.name!r} is already registered at {old.address}")
+        self.entries[msg.entry.name] = msg.entry
+
+    @handler
+    def unregister(self, msg: Unregister) -> None:
+        self.entries.pop(msg.name, None)
+
+    @handler
+    def lookup(self, msg: Lookup) -> ActorAddress | None:
+        return self.entries.get(msg.name)
+
+    @handler
+    def list_names(self, msg: ListNames) -> list[str]:
+        return sorted(self.entries)
+
+
+
+def _stopped(name: str) -> Failure:
+    return wire.problem("ActorStopped", f"actor {name!r} was stopped")
+
+
+def _check_name(name: str) -> None:
+    if (not isinstance(name, str) or not name or name.startswith("$") or "\0" in name or "/" in name
+            or len(name.encode()) > wire.MAX_ROUTE_BYTES):
+        raise ValueError(f"bad actor name {name!r}: use a non-empty string of at most {wire.MAX_ROUTE_BYTES} "
+                         "bytes, without '/', NUL or a leading '$'")
+
+
+def _ipc_path(run_dir: str, name: str) -> str:
+    path = os.path.join(run_dir, f"{name}.sock")
+    if len(path.encode()) > 100:  # AF_UNIX paths are limited to ~107 bytes
+        path = os.path.join(tempfile.gettempdir(), f"ma-{uuid.uuid5(uuid.NAMESPACE_URL, path).hex[:16]}.sock")
+    return path
