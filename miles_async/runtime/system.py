@@ -28,23 +28,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
 import os
 import shutil
-import signal
-import sys
 import tempfile
-import uuid
 from collections import deque
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import zmq
 
 from miles_async.runtime import security, wire
-from miles_async.runtime.actor import Actor, HandlerSpec, handler
+from miles_async.runtime.actor import Actor, HandlerSpec
 from miles_async.runtime.config import RuntimeConfig
+from miles_async.runtime.control import Directory, SystemActor
 from miles_async.runtime.eager import PENDING, start
 from miles_async.runtime.errors import (
     ActorDeadError,
@@ -59,25 +56,35 @@ from miles_async.runtime.errors import (
 from miles_async.runtime.messages import (
     ActorAddress,
     ChildDied,
-    ChildReady,
-    ListNames,
     Lookup,
     Message,
     Register,
-    RestartActor,
-    ShutdownSystem,
     StopActor,
     Unregister,
 )
+from miles_async.runtime.owner import (
+    DEAD,
+    NOT_STARTED,
+    RESTARTING,
+    RUNNING,
+    STARTING,
+    STOPPED,
+    STOPPING,
+    SYSTEM_ACTOR,
+    Child,
+    Supervisor,
+)
 from miles_async.runtime.refs import ActorRef, Link, reply_decoder
 from miles_async.runtime.supervision import RestartPolicy
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 log = logging.getLogger("miles_async.runtime")
 
 A = TypeVar("A", bound=Actor)
 
-STARTING, RUNNING, RESTARTING, DEAD, STOPPING, STOPPED = "starting", "running", "restarting", "dead", "stopping", "stopped"
-SYSTEM_ACTOR, DIRECTORY_ACTOR = "$system", "$directory"
+DIRECTORY_ACTOR = "$directory"
 _BATCH = 512  # frames handled per wake-up before yielding to other callbacks
 _PING = wire.frame(wire.PING, 0)
 _send, _recv, _get = wire.raw_send, wire.raw_recv, wire.raw_get
@@ -145,45 +152,6 @@ class _Hosted:
         self.main = False  # the actor a child process was started for
 
 
-class _Child:
-    """The owner's record of an actor it spawned (here or in a child process)."""
-
-    __slots__ = (
-        "address",
-        "args",
-        "capacity",
-        "cls",
-        "exited",
-        "kwargs",
-        "name",
-        "owner",
-        "policy",
-        "process",
-        "ready",
-        "reported",
-        "restarts",
-        "state",
-    )
-
-    def __init__(self, name: str, cls: type[Actor], args: tuple[Any, ...], kwargs: dict[str, Any], owner: str,
-                 policy: RestartPolicy, process: bool, capacity: int) -> None:
-        self.name = name
-        self.cls = cls
-        self.args = args
-        self.kwargs = kwargs
-        self.owner = owner
-        self.policy = policy
-        self.process: multiprocessing.process.BaseProcess | None = None if not process else _NOT_STARTED
-        self.address = ""
-        self.capacity = capacity
-        self.restarts: list[float] = []
-        self.state = STARTING
-        self.ready: asyncio.Future[str] | None = None
-        self.reported: Failure | None = None  # what the child said before its process exited
-        self.exited: asyncio.Future[None] | None = None
-
-
-_NOT_STARTED: Any = object()
 
 
 class ActorSystem:
@@ -208,7 +176,7 @@ class ActorSystem:
         self._links: dict[str, Link] = {}
         self._local: Link | None = None
         self._hosted: dict[bytes, _Hosted] = {}
-        self._children: dict[str, _Child] = {}
+        self.supervisor = Supervisor(self)
         self._ids = itertools.count(1)
         self._encode = msgspec.msgpack.Encoder().encode
         self._acks: dict[tuple[bytes, bytes], int] = {}
@@ -223,7 +191,7 @@ class ActorSystem:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    async def __aenter__(self) -> ActorSystem:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -255,9 +223,9 @@ class ActorSystem:
         self._local = Link(self.address, None, self.loop.time())
         self._links[self.address] = self._local
         self._started = True
-        self._host_builtin(SYSTEM_ACTOR, _SystemActor)
+        self._host_builtin(SYSTEM_ACTOR, SystemActor)
         if self._directory_address is None:
-            self._host_builtin(DIRECTORY_ACTOR, _Directory)
+            self._host_builtin(DIRECTORY_ACTOR, Directory)
             self._directory_address = self.address
         self._heartbeat_task = self.loop.create_task(self._heartbeats())
 
@@ -274,7 +242,7 @@ class ActorSystem:
         bind = self._bind
         if bind is None:
             if self.config.transport == "ipc":
-                bind = f"ipc://{_ipc_path(self.run_dir, self.name)}"
+                bind = f"ipc://{wire.ipc_path(self.run_dir, self.name)}"
             else:
                 bind = f"tcp://{self.config.host}:*"
         try:
@@ -291,9 +259,9 @@ class ActorSystem:
         if not self._started or self._closing:
             return
         self._closing = True
-        for rec in reversed(list(self._children.values())):
-            if rec.state not in (STOPPED, DEAD) or rec.process not in (None, _NOT_STARTED):
-                await self._stop_child(rec)
+        for rec in reversed(list(self.supervisor.children.values())):
+            if rec.state not in (STOPPED, DEAD) or rec.process not in (None, NOT_STARTED):
+                await self.supervisor.stop_child(rec)
         for h in reversed(list(self._hosted.values())):
             if not h.name.startswith("$"):
                 await self._stop_hosted(h, "its actor system closed")
@@ -355,17 +323,17 @@ class ActorSystem:
         if not (isinstance(cls, type) and issubclass(cls, Actor)):
             raise TypeError(f"spawn() takes an Actor subclass, got {cls!r}")
         cls.handler_table()  # bad handler declarations fail here, in the caller
-        old = self._children.get(name)
+        old = self.supervisor.children.get(name)
         if old is not None and old.state not in (DEAD, STOPPED):
             raise ValueError(f"an actor named {name!r} is already running (state {old.state})")
         if owner is not None and owner != SYSTEM_ACTOR and owner.encode() not in self._hosted:
             raise ValueError(f"owner {owner!r} is not an actor hosted by this system")
-        rec = _Child(name, cls, tuple(args), dict(kwargs or {}), owner or SYSTEM_ACTOR,
+        rec = Child(name, cls, tuple(args), dict(kwargs or {}), owner or SYSTEM_ACTOR,
                      restart or RestartPolicy(), process, int(cls.mailbox_capacity))
-        self._children[name] = rec
+        self.supervisor.children[name] = rec
         try:
             if process:
-                await self._start_process(rec)
+                await self.supervisor.start_process(rec)
             else:
                 h = self._host(name, cls, rec.args, rec.kwargs, rec.owner, self.address)
                 await self._start_hosted(h)
@@ -382,9 +350,9 @@ class ActorSystem:
     async def stop(self, target: ActorRef | str, *, timeout_s: float | None = None) -> None:
         """Stop an actor gracefully wherever it runs; it is not restarted."""
         name = target if isinstance(target, str) else target.name
-        rec = self._children.get(name)
+        rec = self.supervisor.children.get(name)
         if rec is not None:
-            await self._stop_child(rec)
+            await self.supervisor.stop_child(rec)
             return
         h = self._hosted.get(name.encode())
         if h is not None:
@@ -569,12 +537,12 @@ class ActorSystem:
                 await actor.on_failure(failure)
             except Exception:  # an actor boundary: report and carry on with supervision
                 log.exception("on_failure of actor %r raised", h.name)
-        await self._stop_children_of(h.name)
+        await self.supervisor.stop_children_of(h.name)
         await self._report_death(h, failure)
 
     async def _report_death(self, h: _Hosted, failure: Failure) -> None:
         if h.owner_address == self.address:
-            self._on_child_died(h.name, failure)
+            self.supervisor.on_child_died(h.name, failure)
             return
         owner = self.ref(ActorAddress(name=SYSTEM_ACTOR, address=h.owner_address, capacity=1024))
         try:
@@ -589,7 +557,7 @@ class ActorSystem:
         h.state = STOPPING
         h.failure = wire.problem("ActorStopped", f"actor {h.name!r} was stopped ({reason})")
         self._fail_queue(h)
-        await self._stop_children_of(h.name)
+        await self.supervisor.stop_children_of(h.name)
         if h.tasks:
             _, late = await asyncio.wait(list(h.tasks), timeout=self.config.stop_grace_s)
             for task in late:
@@ -604,161 +572,6 @@ class ActorSystem:
         h.state = STOPPED
         if not h.name.startswith("$") and not self._closing:
             self._unregister(h.name)
-
-    # -- supervision (the owner's side) -----------------------------------------------------
-
-    def _on_child_died(self, name: str, failure: Failure) -> None:
-        rec = self._children.get(name)
-        if rec is None or rec.state in (STOPPING, STOPPED, DEAD):
-            return
-        if rec.process is not None:
-            rec.reported = failure
-        if rec.ready is not None and not rec.ready.done():  # it died while (re)starting
-            rec.ready.set_exception(SpawnError(name, failure))
-            return
-        now = self.loop.time()
-        delay = None if self._closing else rec.policy.next_delay(rec.restarts, now)
-        if delay is None:
-            rec.state = DEAD
-            log.error("actor %r died and will not be restarted: %s", name, failure.describe())
-            if rec.process not in (None, _NOT_STARTED):
-                self._background_task(self._stop_child(rec, final_state=DEAD))
-            if rec.policy.escalate:
-                owner = self._hosted.get(rec.owner.encode())
-                if owner is not None and not owner.name.startswith("$"):
-                    self._crash(owner, Failure(type="ChildFailed", message=f"child actor {name!r} died: "
-                                               f"{failure.type}: {failure.message}", traceback=failure.traceback))
-            return
-        rec.state = RESTARTING
-        rec.restarts.append(now)
-        log.warning("actor %r died (%s: %s); restarting in %.2fs", name, failure.type, failure.message, delay)
-        self.loop.call_later(delay, lambda: self._background_task(self._restart(rec)))
-
-    async def _restart(self, rec: _Child) -> None:
-        if rec.state is not RESTARTING or self._closing:
-            return
-        try:
-            if rec.process is None:
-                await self._start_hosted(self._hosted[rec.name.encode()])
-            elif rec.process.is_alive():
-                host = self.ref(ActorAddress(name=SYSTEM_ACTOR, address=rec.address, capacity=1024))
-                await host.ask(RestartActor(name=rec.name), timeout_s=self.config.spawn_timeout_s)
-            else:
-                await self._start_process(rec)
-        except SpawnError as exc:
-            rec.state = RUNNING  # so that the failure below is judged by the policy
-            if rec.process is None:
-                h = self._hosted[rec.name.encode()]
-                h.state = RUNNING
-                self._crash(h, exc.cause)
-            else:
-                self._on_child_died(rec.name, exc.cause)
-            return
-        except (ActorDeadError, AskTimeoutError, RemoteError) as exc:
-            rec.state = RUNNING
-            self._on_child_died(rec.name, Failure.from_exception(exc))
-            return
-        rec.state = RUNNING
-        log.info("actor %r restarted", rec.name)
-
-    async def _stop_children_of(self, owner: str) -> None:
-        for rec in reversed([r for r in self._children.values() if r.owner == owner]):
-            await self._stop_child(rec)
-
-    async def _stop_child(self, rec: _Child, final_state: str = STOPPED) -> None:
-        if rec.state is STOPPED:
-            return
-        rec.state = STOPPING
-        if rec.process is None:
-            h = self._hosted.get(rec.name.encode())
-            if h is not None:
-                await self._stop_hosted(h, "stopped by its owner")
-        elif rec.process is not _NOT_STARTED:
-            await self._stop_process(rec)
-            self._unregister(rec.name)
-        rec.state = final_state
-
-    # -- child processes --------------------------------------------------------------------
-
-    async def _start_process(self, rec: _Child) -> None:
-        from miles_async.runtime import child  # the child entry point imports this module
-
-        if rec.address:
-            bind = rec.address  # a restart binds where the refs point
-        elif self.config.transport == "ipc":
-            bind = f"ipc://{_ipc_path(self.run_dir, rec.name)}"
-        else:
-            bind = f"tcp://{self.config.host}:*"
-        spec = child.ChildSpec(
-            name=rec.name, cls=rec.cls, args=rec.args, kwargs=rec.kwargs, owner=rec.owner,
-            owner_address=self.address, directory=self._directory_address or self.address, bind=bind,
-            config=self.config, key_dir=self._key_dir, sys_path=list(sys.path),
-            log_level=logging.getLogger().getEffectiveLevel())
-        rec.ready = self.loop.create_future()
-        rec.exited = self.loop.create_future()
-        rec.reported = None
-        proc = multiprocessing.get_context("spawn").Process(
-            target=child.main, args=(spec,), name=f"miles-async:{rec.name}")
-        await asyncio.to_thread(proc.start)  # spawning writes the pickled spec; keep the loop free
-        rec.process = proc
-        self.loop.add_reader(proc.sentinel, self._on_process_exit, rec, proc)
-        try:
-            rec.address = await asyncio.wait_for(asyncio.shield(rec.ready), self.config.spawn_timeout_s)
-        except asyncio.TimeoutError:
-            await self._stop_process(rec)
-            raise SpawnError(rec.name, wire.problem(
-                "SpawnTimeout", f"child process did not start actor {rec.name!r} within "
-                f"{self.config.spawn_timeout_s:g}s")) from None
-        link = self._links.get(rec.address)
-        if link is not None and link.dead is not None:
-            self._revive(link)
-
-    def _on_child_ready(self, msg: ChildReady) -> None:
-        rec = self._children.get(msg.name)
-        if rec is not None and rec.ready is not None and not rec.ready.done():
-            rec.ready.set_result(msg.address)
-
-    def _on_process_exit(self, rec: _Child, proc: multiprocessing.process.BaseProcess) -> None:
-        self.loop.remove_reader(proc.sentinel)
-        proc.join(0)
-        code = proc.exitcode
-        if code is not None and code < 0:
-            how = f"was killed by signal {signal.Signals(-code).name}"
-        else:
-            how = f"exited with code {code}"
-        cause = rec.reported or wire.problem(
-            "ProcessExited", f"the process of actor {rec.name!r} (pid {proc.pid}) {how}")
-        if rec.address:
-            link = self._links.get(rec.address)
-            if link is not None:
-                self._link_lost(link, cause, expected=rec.state is STOPPING)
-        if rec.exited is not None and not rec.exited.done():
-            rec.exited.set_result(None)
-        if rec.ready is not None and not rec.ready.done():
-            rec.ready.set_exception(SpawnError(rec.name, cause))
-            return
-        if rec.state is RUNNING:
-            self._on_child_died(rec.name, cause)
-
-    async def _stop_process(self, rec: _Child) -> None:
-        proc = rec.process
-        if proc is None or proc is _NOT_STARTED or rec.exited is None:
-            return
-        if not rec.exited.done() and rec.address:
-            host = self.ref(ActorAddress(name=SYSTEM_ACTOR, address=rec.address, capacity=1024))
-            try:
-                host.tell_nowait(ShutdownSystem())
-            except ActorError as exc:  # already gone or unreachable: escalate to signals below
-                log.debug("could not ask %r to shut down: %s", rec.name, exc)
-        for sig_fn, wait_s in ((None, self.config.stop_grace_s + 2.0), (proc.terminate, 3.0), (proc.kill, 3.0)):
-            if rec.exited.done():
-                break
-            if sig_fn is not None:
-                sig_fn()
-            try:
-                await asyncio.wait_for(asyncio.shield(rec.exited), wait_s)
-            except asyncio.TimeoutError:
-                log.warning("process of actor %r did not exit within %.1fs", rec.name, wait_s)
 
     # -- directory --------------------------------------------------------------------------
 
@@ -1087,77 +900,6 @@ class ActorSystem:
             raise RuntimeError(f"actor system {self.name!r} is not running (use `async with ActorSystem()`)")
 
 
-class _SystemActor(Actor):
-    """Each system's control endpoint: children report here, owners send orders here."""
-
-    mailbox_capacity = 1 << 16
-
-    @handler(concurrent=True)
-    async def child_ready(self, msg: ChildReady) -> None:
-        self.system._on_child_ready(msg)
-
-    @handler(concurrent=True)
-    async def child_died(self, msg: ChildDied) -> None:
-        self.system._on_child_died(msg.name, msg.cause)
-
-    @handler(concurrent=True)
-    async def stop_actor(self, msg: StopActor) -> None:
-        system = self.system
-        h = system._hosted.get(msg.name.encode())
-        if h is None or h.name.startswith("$"):
-            raise UnknownActorError(f"no actor named {msg.name!r} is hosted at {system.address}")
-        if h.main:  # a child process exists for this actor alone
-            system._background_task(system.close())
-            return
-        rec = system._children.get(msg.name)
-        if rec is not None:
-            await system._stop_child(rec)
-        else:
-            await system._stop_hosted(h, "stopped")
-
-    @handler(concurrent=True)
-    async def restart_actor(self, msg: RestartActor) -> None:
-        system = self.system
-        h = system._hosted.get(msg.name.encode())
-        if h is None:
-            raise UnknownActorError(f"no actor named {msg.name!r} is hosted at {system.address}")
-        await system._start_hosted(h)
-
-    @handler(concurrent=True)
-    async def shutdown(self, msg: ShutdownSystem) -> None:
-        self.system._background_task(self.system.close())
-
-
-
-class _Directory(Actor):
-    """Names to addresses for one run; hosted as `$directory` by the run's first system."""
-
-    mailbox_capacity = 1 << 16
-
-    def __init__(self) -> None:
-        self.entries: dict[str, ActorAddress] = {}
-
-    @handler
-    def register(self, msg: Register) -> None:
-        old = self.entries.get(msg.entry.name)
-        if old is not None and old.address != msg.entry.address:
-            raise ValueError(f"an actor named {msg.entry.name!r} is already registered at {old.address}")
-        self.entries[msg.entry.name] = msg.entry
-
-    @handler
-    def unregister(self, msg: Unregister) -> None:
-        self.entries.pop(msg.name, None)
-
-    @handler
-    def lookup(self, msg: Lookup) -> ActorAddress | None:
-        return self.entries.get(msg.name)
-
-    @handler
-    def list_names(self, msg: ListNames) -> list[str]:
-        return sorted(self.entries)
-
-
-
 def _stopped(name: str) -> Failure:
     return wire.problem("ActorStopped", f"actor {name!r} was stopped")
 
@@ -1167,10 +909,3 @@ def _check_name(name: str) -> None:
             or len(name.encode()) > wire.MAX_ROUTE_BYTES):
         raise ValueError(f"bad actor name {name!r}: use a non-empty string of at most {wire.MAX_ROUTE_BYTES} "
                          "bytes, without '/', NUL or a leading '$'")
-
-
-def _ipc_path(run_dir: str, name: str) -> str:
-    path = os.path.join(run_dir, f"{name}.sock")
-    if len(path.encode()) > 100:  # AF_UNIX paths are limited to ~107 bytes
-        path = os.path.join(tempfile.gettempdir(), f"ma-{uuid.uuid5(uuid.NAMESPACE_URL, path).hex[:16]}.sock")
-    return path

@@ -17,7 +17,10 @@ One frame per message, and the socket calls of pyzmq's Cython layer (`raw_send`,
 
 from __future__ import annotations
 
+import os
 import struct
+import tempfile
+import uuid
 from typing import Literal
 
 import msgspec
@@ -94,3 +97,11 @@ def to_exception(actor: str, err: ErrorReply) -> ActorError:
 def problem(type_name: str, message: str) -> Failure:
     """A fault found by the runtime itself (no Python traceback worth sending)."""
     return Failure(type=type_name, message=message)
+
+
+def ipc_path(run_dir: str, name: str) -> str:
+    """The socket file of a process named `name` in the run folder (short enough for AF_UNIX)."""
+    path = os.path.join(run_dir, f"{name}.sock")
+    if len(path.encode()) > 100:  # AF_UNIX paths are limited to ~107 bytes
+        path = os.path.join(tempfile.gettempdir(), f"ma-{uuid.uuid5(uuid.NAMESPACE_URL, path).hex[:16]}.sock")
+    return path

@@ -333,22 +333,21 @@ def test_timeouts_and_local_backpressure():
 def test_two_systems_in_one_process_talk_over_real_sockets(transport):
     async def scenario():
         cfg = RuntimeConfig(transport=transport)
-        async with ActorSystem("a", config=cfg) as a:
-            async with ActorSystem("b", config=cfg, directory=a.address) as b:
-                c = await b.spawn(Counter, "c")
-                remote = await a.lookup("c")
-                assert not remote.is_local and remote.address.startswith(f"{transport}://")
-                assert await remote.ask(Add(amount=3)) == 3
-                assert await remote.ask(Stats()) == Stats.Reply(count=3, seen=[3])
-                futures = [remote.ask_future(Add(amount=1)) for _ in range(100)]
-                assert (await asyncio.gather(*futures))[-1] == 103
-                with pytest.raises(RemoteError, match="ValueError"):
-                    await remote.ask(Boom(text="x"))
-                with pytest.raises(BadMessageError):
-                    await remote.ask(Unhandled())
-                await c.stop()
-                with pytest.raises(ActorDeadError):
-                    await remote.ask(Get())
+        async with ActorSystem("a", config=cfg) as a, ActorSystem("b", config=cfg, directory=a.address) as b:
+            c = await b.spawn(Counter, "c")
+            remote = await a.lookup("c")
+            assert not remote.is_local and remote.address.startswith(f"{transport}://")
+            assert await remote.ask(Add(amount=3)) == 3
+            assert await remote.ask(Stats()) == Stats.Reply(count=3, seen=[3])
+            futures = [remote.ask_future(Add(amount=1)) for _ in range(100)]
+            assert (await asyncio.gather(*futures))[-1] == 103
+            with pytest.raises(RemoteError, match="ValueError"):
+                await remote.ask(Boom(text="x"))
+            with pytest.raises(BadMessageError):
+                await remote.ask(Unhandled())
+            await c.stop()
+            with pytest.raises(ActorDeadError):
+                await remote.ask(Get())
 
     arun(scenario())
 

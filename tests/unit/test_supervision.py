@@ -21,8 +21,8 @@ def test_backoff_grows_and_the_limit_counts_only_recent_restarts():
     assert policy.next_delay([0.0, 1.0, 2.0], now=10.5) == 1.5  # the first one aged out: 2 recent
 
 
-@pytest.mark.parametrize("bad", [dict(max_restarts=-1), dict(within_s=0), dict(backoff_factor=0.5),
-                                 dict(backoff_s=-1)])
+@pytest.mark.parametrize("bad", [{"max_restarts": -1}, {"within_s": 0}, {"backoff_factor": 0.5},
+                                 {"backoff_s": -1}])
 def test_bad_policies_are_refused_with_a_clear_message(bad):
     with pytest.raises(ValueError, match="RestartPolicy"):
         RestartPolicy(mode="on_failure", **bad)

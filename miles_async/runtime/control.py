@@ -1,0 +1,94 @@
+"""The actors every system hosts: `$system` (control) and, on a run's first system, `$directory`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from miles_async.runtime.actor import Actor, handler
+from miles_async.runtime.errors import UnknownActorError
+from miles_async.runtime.messages import (
+    ActorAddress,
+    ChildDied,
+    ChildReady,
+    ListNames,
+    Lookup,
+    Register,
+    RestartActor,
+    ShutdownSystem,
+    StopActor,
+    Unregister,
+)
+
+if TYPE_CHECKING:
+    from miles_async.runtime.system import ActorSystem
+
+
+class SystemActor(Actor):
+    """Each system's control endpoint: children report here, owners send orders here."""
+
+    mailbox_capacity = 1 << 16
+    system: ActorSystem
+
+    @handler(concurrent=True)
+    async def child_ready(self, msg: ChildReady) -> None:
+        self.system.supervisor.on_child_ready(msg)
+
+    @handler(concurrent=True)
+    async def child_died(self, msg: ChildDied) -> None:
+        self.system.supervisor.on_child_died(msg.name, msg.cause)
+
+    @handler(concurrent=True)
+    async def stop_actor(self, msg: StopActor) -> None:
+        system = self.system
+        h = system._hosted.get(msg.name.encode())
+        if h is None or h.name.startswith("$"):
+            raise UnknownActorError(f"no actor named {msg.name!r} is hosted at {system.address}")
+        if h.main:  # a child process exists for this actor alone
+            system._background_task(system.close())
+            return
+        rec = system.supervisor.children.get(msg.name)
+        if rec is not None:
+            await system.supervisor.stop_child(rec)
+        else:
+            await system._stop_hosted(h, "stopped")
+
+    @handler(concurrent=True)
+    async def restart_actor(self, msg: RestartActor) -> None:
+        system = self.system
+        h = system._hosted.get(msg.name.encode())
+        if h is None:
+            raise UnknownActorError(f"no actor named {msg.name!r} is hosted at {system.address}")
+        await system._start_hosted(h)
+
+    @handler(concurrent=True)
+    async def shutdown(self, msg: ShutdownSystem) -> None:
+        self.system._background_task(self.system.close())
+
+
+
+class Directory(Actor):
+    """Names to addresses for one run; hosted as `$directory` by the run's first system."""
+
+    mailbox_capacity = 1 << 16
+
+    def __init__(self) -> None:
+        self.entries: dict[str, ActorAddress] = {}
+
+    @handler
+    def register(self, msg: Register) -> None:
+        old = self.entries.get(msg.entry.name)
+        if old is not None and old.address != msg.entry.address:
+            raise ValueError(f"an actor named {msg.entry.name!r} is already registered at {old.address}")
+        self.entries[msg.entry.name] = msg.entry
+
+    @handler
+    def unregister(self, msg: Unregister) -> None:
+        self.entries.pop(msg.name, None)
+
+    @handler
+    def lookup(self, msg: Lookup) -> ActorAddress | None:
+        return self.entries.get(msg.name)
+
+    @handler
+    def list_names(self, msg: ListNames) -> list[str]:
+        return sorted(self.entries)

@@ -1,0 +1,240 @@
+"""The owner's side of supervision: records of spawned actors, restarts, child processes.
+
+When an actor dies (its tell handler raised, its restart's `on_start` failed, or its process
+exited), the system that spawned it hears of it here: from its own hosting code, from a
+`ChildDied` message sent by a child process, or from the process's sentinel. The `RestartPolicy`
+then decides: restart in place (`RestartActor` to a live child process), respawn the process at
+the same address (refs stay valid), or leave it dead (and, with `escalate`, crash the owner).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import signal
+import sys
+from typing import TYPE_CHECKING, Any
+
+from miles_async.runtime import wire
+from miles_async.runtime.actor import Actor
+from miles_async.runtime.errors import (
+    ActorDeadError,
+    ActorError,
+    AskTimeoutError,
+    Failure,
+    RemoteError,
+    SpawnError,
+)
+from miles_async.runtime.messages import ActorAddress, ChildReady, RestartActor, ShutdownSystem
+from miles_async.runtime.supervision import RestartPolicy
+
+if TYPE_CHECKING:
+    from miles_async.runtime.system import ActorSystem
+
+log = logging.getLogger("miles_async.runtime")
+
+STARTING, RUNNING, RESTARTING, DEAD, STOPPING, STOPPED = "starting", "running", "restarting", "dead", "stopping", "stopped"
+SYSTEM_ACTOR = "$system"
+
+
+class Child:
+    """The owner's record of an actor it spawned (here or in a child process)."""
+
+    __slots__ = (
+        "address",
+        "args",
+        "capacity",
+        "cls",
+        "exited",
+        "kwargs",
+        "name",
+        "owner",
+        "policy",
+        "process",
+        "ready",
+        "reported",
+        "restarts",
+        "state",
+    )
+
+    def __init__(self, name: str, cls: type[Actor], args: tuple[Any, ...], kwargs: dict[str, Any], owner: str,
+                 policy: RestartPolicy, process: bool, capacity: int) -> None:
+        self.name = name
+        self.cls = cls
+        self.args = args
+        self.kwargs = kwargs
+        self.owner = owner
+        self.policy = policy
+        self.process: multiprocessing.process.BaseProcess | None = None if not process else NOT_STARTED
+        self.address = ""
+        self.capacity = capacity
+        self.restarts: list[float] = []
+        self.state = STARTING
+        self.ready: asyncio.Future[str] | None = None
+        self.reported: Failure | None = None  # what the child said before its process exited
+        self.exited: asyncio.Future[None] | None = None
+
+
+NOT_STARTED: Any = object()
+
+
+class Supervisor:
+    """The records of every actor a system spawned, and what happens when one dies."""
+
+    def __init__(self, system: ActorSystem) -> None:
+        self.system = system
+        self.children: dict[str, Child] = {}
+
+    def on_child_died(self, name: str, failure: Failure) -> None:
+        rec = self.children.get(name)
+        if rec is None or rec.state in (STOPPING, STOPPED, DEAD):
+            return
+        if rec.process is not None:
+            rec.reported = failure
+        if rec.ready is not None and not rec.ready.done():  # it died while (re)starting
+            rec.ready.set_exception(SpawnError(name, failure))
+            return
+        now = self.system.loop.time()
+        delay = None if self.system._closing else rec.policy.next_delay(rec.restarts, now)
+        if delay is None:
+            rec.state = DEAD
+            log.error("actor %r died and will not be restarted: %s", name, failure.describe())
+            if rec.process not in (None, NOT_STARTED):
+                self.system._background_task(self.stop_child(rec, final_state=DEAD))
+            if rec.policy.escalate:
+                owner = self.system._hosted.get(rec.owner.encode())
+                if owner is not None and not owner.name.startswith("$"):
+                    self.system._crash(owner, Failure(type="ChildFailed", message=f"child actor {name!r} died: "
+                                               f"{failure.type}: {failure.message}", traceback=failure.traceback))
+            return
+        rec.state = RESTARTING
+        rec.restarts.append(now)
+        log.warning("actor %r died (%s: %s); restarting in %.2fs", name, failure.type, failure.message, delay)
+        self.system.loop.call_later(delay, lambda: self.system._background_task(self.restart(rec)))
+
+    async def restart(self, rec: Child) -> None:
+        if rec.state is not RESTARTING or self.system._closing:
+            return
+        try:
+            if rec.process is None:
+                await self.system._start_hosted(self.system._hosted[rec.name.encode()])
+            elif rec.process.is_alive():
+                host = self.system.ref(ActorAddress(name=SYSTEM_ACTOR, address=rec.address, capacity=1024))
+                await host.ask(RestartActor(name=rec.name), timeout_s=self.system.config.spawn_timeout_s)
+            else:
+                await self.start_process(rec)
+        except SpawnError as exc:
+            rec.state = RUNNING  # so that the failure below is judged by the policy
+            if rec.process is None:
+                h = self.system._hosted[rec.name.encode()]
+                h.state = RUNNING
+                self.system._crash(h, exc.cause)
+            else:
+                self.on_child_died(rec.name, exc.cause)
+            return
+        except (ActorDeadError, AskTimeoutError, RemoteError) as exc:
+            rec.state = RUNNING
+            self.on_child_died(rec.name, Failure.from_exception(exc))
+            return
+        rec.state = RUNNING
+        log.info("actor %r restarted", rec.name)
+
+    async def stop_children_of(self, owner: str) -> None:
+        for rec in reversed([r for r in self.children.values() if r.owner == owner]):
+            await self.stop_child(rec)
+
+    async def stop_child(self, rec: Child, final_state: str = STOPPED) -> None:
+        if rec.state is STOPPED:
+            return
+        rec.state = STOPPING
+        if rec.process is None:
+            h = self.system._hosted.get(rec.name.encode())
+            if h is not None:
+                await self.system._stop_hosted(h, "stopped by its owner")
+        elif rec.process is not NOT_STARTED:
+            await self.stop_process(rec)
+            self.system._unregister(rec.name)
+        rec.state = final_state
+
+    # -- child processes --------------------------------------------------------------------
+
+    async def start_process(self, rec: Child) -> None:
+        from miles_async.runtime import child  # the child entry point imports this module
+
+        if rec.address:
+            bind = rec.address  # a restart binds where the refs point
+        elif self.system.config.transport == "ipc":
+            bind = f"ipc://{wire.ipc_path(self.system.run_dir, rec.name)}"
+        else:
+            bind = f"tcp://{self.system.config.host}:*"
+        spec = child.ChildSpec(
+            name=rec.name, cls=rec.cls, args=rec.args, kwargs=rec.kwargs, owner=rec.owner,
+            owner_address=self.system.address, directory=self.system._directory_address or self.system.address, bind=bind,
+            config=self.system.config, key_dir=self.system._key_dir, sys_path=list(sys.path),
+            log_level=logging.getLogger().getEffectiveLevel())
+        rec.ready = self.system.loop.create_future()
+        rec.exited = self.system.loop.create_future()
+        rec.reported = None
+        proc = multiprocessing.get_context("spawn").Process(
+            target=child.main, args=(spec,), name=f"miles-async:{rec.name}")
+        await asyncio.to_thread(proc.start)  # spawning writes the pickled spec; keep the loop free
+        rec.process = proc
+        self.system.loop.add_reader(proc.sentinel, self.on_process_exit, rec, proc)
+        try:
+            rec.address = await asyncio.wait_for(asyncio.shield(rec.ready), self.system.config.spawn_timeout_s)
+        except asyncio.TimeoutError:
+            await self.stop_process(rec)
+            raise SpawnError(rec.name, wire.problem(
+                "SpawnTimeout", f"child process did not start actor {rec.name!r} within "
+                f"{self.system.config.spawn_timeout_s:g}s")) from None
+        link = self.system._links.get(rec.address)
+        if link is not None and link.dead is not None:
+            self.system._revive(link)
+
+    def on_child_ready(self, msg: ChildReady) -> None:
+        rec = self.children.get(msg.name)
+        if rec is not None and rec.ready is not None and not rec.ready.done():
+            rec.ready.set_result(msg.address)
+
+    def on_process_exit(self, rec: Child, proc: multiprocessing.process.BaseProcess) -> None:
+        self.system.loop.remove_reader(proc.sentinel)
+        proc.join(0)
+        code = proc.exitcode
+        if code is not None and code < 0:
+            how = f"was killed by signal {signal.Signals(-code).name}"
+        else:
+            how = f"exited with code {code}"
+        cause = rec.reported or wire.problem(
+            "ProcessExited", f"the process of actor {rec.name!r} (pid {proc.pid}) {how}")
+        if rec.address:
+            link = self.system._links.get(rec.address)
+            if link is not None:
+                self.system._link_lost(link, cause, expected=rec.state is STOPPING)
+        if rec.exited is not None and not rec.exited.done():
+            rec.exited.set_result(None)
+        if rec.ready is not None and not rec.ready.done():
+            rec.ready.set_exception(SpawnError(rec.name, cause))
+            return
+        if rec.state is RUNNING:
+            self.on_child_died(rec.name, cause)
+
+    async def stop_process(self, rec: Child) -> None:
+        proc = rec.process
+        if proc is None or proc is NOT_STARTED or rec.exited is None:
+            return
+        if not rec.exited.done() and rec.address:
+            host = self.system.ref(ActorAddress(name=SYSTEM_ACTOR, address=rec.address, capacity=1024))
+            try:
+                host.tell_nowait(ShutdownSystem())
+            except ActorError as exc:  # already gone or unreachable: escalate to signals below
+                log.debug("could not ask %r to shut down: %s", rec.name, exc)
+        for sig_fn, wait_s in ((None, self.system.config.stop_grace_s + 2.0), (proc.terminate, 3.0), (proc.kill, 3.0)):
+            if rec.exited.done():
+                break
+            if sig_fn is not None:
+                sig_fn()
+            try:
+                await asyncio.wait_for(asyncio.shield(rec.exited), wait_s)
+            except asyncio.TimeoutError:
+                log.warning("process of actor %r did not exit within %.1fs", rec.name, wait_s)
