@@ -12,6 +12,8 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     transport: `ipc` (Unix sockets, one node) or `tcp` (across nodes).
     host: the interface tcp binds to; loopback unless you mean to be reached from other hosts.
+    advertise_host: the host name others use to reach a tcp system (needed when `host` is a
+        wildcard such as 0.0.0.0).
     curve: ZeroMQ CURVE authentication; None means on for tcp on a non-loopback host.
     run_dir: where ipc sockets and the run's keys live (a fresh temporary folder by default).
     heartbeat_interval_s / heartbeat_timeout_s: a peer silent for the timeout is declared lost
@@ -25,6 +27,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     transport: Literal["ipc", "tcp"] = "ipc"
     host: str = "127.0.0.1"
+    advertise_host: str | None = None
     curve: bool | None = None
     run_dir: str | None = None
     heartbeat_interval_s: float = 1.0

@@ -216,7 +216,10 @@ class Supervisor:
         if rec.ready is not None and not rec.ready.done():
             rec.ready.set_exception(SpawnError(rec.name, cause))
             return
-        if rec.state is RUNNING:
+        if rec.state is RUNNING and code == 0 and rec.reported is None:
+            rec.state = STOPPED  # a clean exit is a stop (e.g. `stop` sent to it by another process)
+            self.system._unregister(rec.name)
+        elif rec.state is RUNNING:
             self.on_child_died(rec.name, cause)
 
     async def stop_process(self, rec: Child) -> None:

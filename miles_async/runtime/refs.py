@@ -112,13 +112,7 @@ class ActorRef:
 
     def tell_nowait(self, msg: Message) -> None:
         """Like `tell`, but raises `MailboxFullError` instead of waiting for room."""
-        link = self._link
-        if link.dead is not None:
-            raise ActorDeadError(self.name, link.dead)
-        if link.used.get(self.name, 0) >= self.capacity:
-            raise MailboxFullError(
-                f"mailbox of actor {self.name!r} is full ({self.capacity} unfinished messages from this process)")
-        self._system._send(link, self, wire.TELL, msg, None, None)
+        self._system._send(self._link_with_room(), self, wire.TELL, msg, None, None)
 
     async def ask(self, msg: Message, *, timeout_s: float | None = None) -> Any:
         """Send and wait for the handler's return value (decoded as `type(msg).Reply`).
@@ -142,13 +136,17 @@ class ActorRef:
         Raises `MailboxFullError` instead of waiting when the target's mailbox is full; the
         future fails like `ask` does.
         """
+        link = self._link_with_room()
+        return self._ask(link, msg, self._system.config.ask_timeout_s if timeout_s is None else timeout_s)
+
+    def _link_with_room(self) -> Link:
         link = self._link
         if link.dead is not None:
             raise ActorDeadError(self.name, link.dead)
         if link.used.get(self.name, 0) >= self.capacity:
             raise MailboxFullError(
                 f"mailbox of actor {self.name!r} is full ({self.capacity} unfinished messages from this process)")
-        return self._ask(link, msg, self._system.config.ask_timeout_s if timeout_s is None else timeout_s)
+        return link
 
     def _ask(self, link: Link, msg: Message, timeout_s: float) -> asyncio.Future[Any]:
         loop = self._system.loop

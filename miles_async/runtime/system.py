@@ -251,6 +251,9 @@ class ActorSystem:
             sock.close()
             raise OSError(f"actor system {self.name!r} cannot bind {bind}: {exc}") from exc
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.config.advertise_host and self.address.startswith("tcp://"):
+            port = self.address.rsplit(":", 1)[1]
+            self.address = f"tcp://{self.config.advertise_host}:{port}"
         self._router = sock
         self.loop.add_reader(sock.getsockopt(zmq.FD), self._drain_router)
 
@@ -597,6 +600,8 @@ class ActorSystem:
 
     def _connect(self, address: str) -> zmq.Socket:
         assert self._ctx is not None
+        if not address.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"bad actor address {address!r}: expected ipc://PATH or tcp://HOST:PORT")
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the per-target windows instead
@@ -727,8 +732,9 @@ class ActorSystem:
     def _link_lost(self, link: Link, cause: Failure, expected: bool = False) -> None:
         if link.sock is None or link.dead is not None:
             return
-        log.log(logging.DEBUG if expected else logging.WARNING, "lost contact with %s: %s", link.address,
-                cause.message)
+        busy = bool(link.pending) or any(link.used.values())
+        log.log(logging.WARNING if busy and not expected else logging.INFO, "lost contact with %s: %s",
+                link.address, cause.message)
         # a fresh socket drops frames queued for the dead peer, so a restarted peer never
         # runs requests that were already failed here
         self._close_link_socket(link)
