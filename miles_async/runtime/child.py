@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_async.runtime.config import RuntimeConfig
-from miles_async.runtime.errors import ActorError, SpawnError
+from miles_async.runtime.errors import ActorError, Failure, SpawnError
 from miles_async.runtime.loop import run
 from miles_async.runtime.messages import ActorAddress, ChildDied, ChildReady
 
@@ -65,14 +65,13 @@ async def _serve(spec: ChildSpec) -> int:
         await system._register(entry)
         await owner.ask(ChildReady(name=spec.name, address=system.address, capacity=h.capacity),
                         timeout_s=spec.config.spawn_timeout_s)
-    except (SpawnError, ActorError, ValueError) as exc:
-        cause = exc.cause if isinstance(exc, SpawnError) else None
+    except (ActorError, ValueError) as exc:  # SpawnError, a taken name, an owner that is gone
+        cause = exc.cause if isinstance(exc, SpawnError) else Failure.from_exception(exc)
         log.error("actor %r failed to start: %s", spec.name, exc)
-        if cause is not None:
-            try:
-                await owner.ask(ChildDied(name=spec.name, cause=cause), timeout_s=5.0)
-            except ActorError:
-                pass  # the owner is gone; the exit status still tells
+        try:
+            await owner.ask(ChildDied(name=spec.name, cause=cause), timeout_s=5.0)
+        except ActorError as report_exc:  # the owner is gone; the exit status still tells
+            log.error("could not report the failure to the owner: %s", report_exc)
         await system.close()
         return 1
     await system.wait_closed()

@@ -138,6 +138,7 @@ class Supervisor:
             self.on_child_died(rec.name, Failure.from_exception(exc))
             return
         rec.state = RUNNING
+        rec.reported = None  # that crash is dealt with; a later death has a cause of its own
         log.info("actor %r restarted", rec.name)
 
     async def stop_children_of(self, owner: str) -> None:
@@ -165,7 +166,7 @@ class Supervisor:
         if rec.address:
             bind = rec.address  # a restart binds where the refs point
         elif self.system.config.transport == "ipc":
-            bind = f"ipc://{wire.ipc_path(self.system.run_dir, rec.name)}"
+            bind = f"ipc://{wire.ipc_path(self.system.run_dir, 'actor-' + rec.name)}"
         else:
             bind = f"tcp://{self.system.config.host}:*"
         spec = child.ChildSpec(
@@ -184,6 +185,7 @@ class Supervisor:
         try:
             rec.address = await asyncio.wait_for(asyncio.shield(rec.ready), self.system.config.spawn_timeout_s)
         except asyncio.TimeoutError:
+            rec.ready.cancel()  # nobody waits for it any more
             await self.stop_process(rec)
             raise SpawnError(rec.name, wire.problem(
                 "SpawnTimeout", f"child process did not start actor {rec.name!r} within "
@@ -192,6 +194,16 @@ class Supervisor:
         if link is not None and link.dead is not None:
             self.system._revive(link)
 
+    def on_peer_lost(self, address: str, cause: Failure) -> None:
+        """A child process stopped answering (hung, or stopped by a signal): kill it, so that its
+        exit goes through the restart policy like any other death."""
+        for rec in self.children.values():
+            proc = rec.process
+            if rec.address == address and proc not in (None, NOT_STARTED) and proc.is_alive():
+                log.error("actor %r stopped answering; killing its process (pid %s)", rec.name, proc.pid)
+                rec.reported = cause
+                proc.kill()
+
     def on_child_ready(self, msg: ChildReady) -> None:
         rec = self.children.get(msg.name)
         if rec is not None and rec.ready is not None and not rec.ready.done():
@@ -199,14 +211,25 @@ class Supervisor:
 
     def on_process_exit(self, rec: Child, proc: multiprocessing.process.BaseProcess) -> None:
         self.system.loop.remove_reader(proc.sentinel)
-        proc.join(0)
+        self.system._background_task(self._reaped(rec, proc))
+
+    async def _reaped(self, rec: Child, proc: multiprocessing.process.BaseProcess) -> None:
+        # The sentinel pipe closes a moment before the process can be reaped: wait for its status.
+        for _ in range(200):
+            proc.join(0)
+            if proc.exitcode is not None:
+                break
+            await asyncio.sleep(0.005)
         code = proc.exitcode
         if code is not None and code < 0:
             how = f"was killed by signal {signal.Signals(-code).name}"
         else:
             how = f"exited with code {code}"
-        cause = rec.reported or wire.problem(
-            "ProcessExited", f"the process of actor {rec.name!r} (pid {proc.pid}) {how}")
+        if rec.state is STOPPING and rec.reported is None:
+            cause = wire.problem("ActorStopped", f"actor {rec.name!r} was stopped")
+        else:
+            cause = rec.reported or wire.problem(
+                "ProcessExited", f"the process of actor {rec.name!r} (pid {proc.pid}) {how}")
         if rec.address:
             link = self.system._links.get(rec.address)
             if link is not None:

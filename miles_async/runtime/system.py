@@ -179,6 +179,7 @@ class ActorSystem:
         self.supervisor = Supervisor(self)
         self._ids = itertools.count(1)
         self._encode = msgspec.msgpack.Encoder().encode
+        self._max_body = self.config.max_message_bytes - wire.HEAD_BYTES - wire.MAX_ROUTE_BYTES
         self._acks: dict[tuple[bytes, bytes], int] = {}
         self._acks_scheduled = False
         self._background: set[asyncio.Task[Any]] = set()
@@ -242,12 +243,14 @@ class ActorSystem:
         bind = self._bind
         if bind is None:
             if self.config.transport == "ipc":
-                bind = f"ipc://{wire.ipc_path(self.run_dir, self.name)}"
+                bind = f"ipc://{wire.ipc_path(self.run_dir, 'system-' + self.name)}"
             else:
                 bind = f"tcp://{self.config.host}:*"
         try:
+            if bind.startswith("ipc://"):
+                wire.check_ipc_free(bind[len("ipc://"):])
             sock.bind(bind)
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, OSError) as exc:
             sock.close()
             raise OSError(f"actor system {self.name!r} cannot bind {bind}: {exc}") from exc
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -262,12 +265,18 @@ class ActorSystem:
         if not self._started or self._closing:
             return
         self._closing = True
-        for rec in reversed(list(self.supervisor.children.values())):
-            if rec.state not in (STOPPED, DEAD) or rec.process not in (None, NOT_STARTED):
-                await self.supervisor.stop_child(rec)
-        for h in reversed(list(self._hosted.values())):
-            if not h.name.startswith("$"):
-                await self._stop_hosted(h, "its actor system closed")
+        try:
+            for rec in reversed(list(self.supervisor.children.values())):
+                if rec.state not in (STOPPED, DEAD) or rec.process not in (None, NOT_STARTED):
+                    await self.supervisor.stop_child(rec)
+            for h in reversed(list(self._hosted.values())):
+                if not h.name.startswith("$"):
+                    await self._stop_hosted(h, "its actor system closed")
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        """Release sockets, threads and files; runs even if stopping the actors failed."""
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
         for task in list(self._background):
@@ -331,6 +340,9 @@ class ActorSystem:
             raise ValueError(f"an actor named {name!r} is already running (state {old.state})")
         if owner is not None and owner != SYSTEM_ACTOR and owner.encode() not in self._hosted:
             raise ValueError(f"owner {owner!r} is not an actor hosted by this system")
+        taken = await self.directory.ask(Lookup(name=name), timeout_s=self.config.spawn_timeout_s)
+        if taken is not None and (old is None or taken.address != old.address):
+            raise ValueError(f"an actor named {name!r} is already running at {taken.address}")
         rec = Child(name, cls, tuple(args), dict(kwargs or {}), owner or SYSTEM_ACTOR,
                      restart or RestartPolicy(), process, int(cls.mailbox_capacity))
         self.supervisor.children[name] = rec
@@ -502,7 +514,12 @@ class ActorSystem:
                             "EncodeError", f"{type(env.msg).__name__} handler returned a value that cannot be "
                             f"sent: {enc_exc}"))
                     else:
-                        self._router_send(ident, wire.HEAD.pack(wire.REPLY, env.msg_id, 0) + body)
+                        if len(body) > self._max_body:
+                            self._reply_error(ident, env.msg_id, h.route, "handler", wire.problem(
+                                "EncodeError", f"the reply to {type(env.msg).__name__} is {len(body)} bytes, over "
+                                f"max_message_bytes ({self.config.max_message_bytes})"))
+                        else:
+                            self._router_send(ident, wire.HEAD.pack(wire.REPLY, env.msg_id, 0) + body)
                 elif isinstance(exc, ActorDeadError):
                     self._reply_error(ident, env.msg_id, h.route, "dead", exc.cause)
                 else:
@@ -582,6 +599,8 @@ class ActorSystem:
         await self.directory.ask(Register(entry=entry), timeout_s=self.config.spawn_timeout_s)
 
     def _unregister(self, name: str) -> None:
+        if self._closing and self._directory_address not in self._links:
+            return  # no new sockets while closing; the run's directory may outlive us with a stale name
         try:
             self.directory.tell_nowait(Unregister(name=name))
         except ActorError as exc:  # the directory is gone or busy; the name goes stale, nothing else
@@ -621,6 +640,9 @@ class ActorSystem:
             self._send_local(link, ref, kind, msg, fut, timer)
             return
         body = self._encode(msg)
+        if len(body) > self._max_body:
+            raise ValueError(f"{type(msg).__name__} encodes to {len(body)} bytes, over max_message_bytes "
+                             f"({self.config.max_message_bytes}); send tensors through a transport and a handle here")
         msg_id = next(self._ids)
         if fut is not None:
             link.pending[msg_id] = [fut, reply_decoder(type(msg)), ref.name, timer]
@@ -785,9 +807,11 @@ class ActorSystem:
                 if link.dead is not None:
                     continue  # one ping waits in its fresh socket (see _link_lost)
                 if now - link.last_heard > cfg.heartbeat_timeout_s:
-                    self._link_lost(link, wire.problem(
+                    cause = wire.problem(
                         "PeerLost", f"no message from {link.address} for {now - link.last_heard:.1f}s "
-                        f"(heartbeat timeout {cfg.heartbeat_timeout_s:g}s): its process or node is lost"))
+                        f"(heartbeat timeout {cfg.heartbeat_timeout_s:g}s): its process or node is lost")
+                    self._link_lost(link, cause)
+                    self.supervisor.on_peer_lost(link.address, cause)
                 else:
                     self._ping(link)
             if self.watch_parent and os.getppid() != self._parent_pid:

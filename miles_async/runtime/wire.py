@@ -18,6 +18,7 @@ One frame per message, and the socket calls of pyzmq's Cython layer (`raw_send`,
 from __future__ import annotations
 
 import os
+import socket
 import struct
 import tempfile
 import uuid
@@ -105,3 +106,20 @@ def ipc_path(run_dir: str, name: str) -> str:
     if len(path.encode()) > 100:  # AF_UNIX paths are limited to ~107 bytes
         path = os.path.join(tempfile.gettempdir(), f"ma-{uuid.uuid5(uuid.NAMESPACE_URL, path).hex[:16]}.sock")
     return path
+
+
+def check_ipc_free(path: str) -> None:
+    """Refuse to bind a socket file a live process listens on (libzmq would silently take it over).
+
+    A file left by a dead process refuses connections and may be reused (a restart does that).
+    """
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return
+    finally:
+        probe.close()
+    raise OSError(f"{path} is in use by a live process (another actor system or actor of that name)")
