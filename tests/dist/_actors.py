@@ -1,0 +1,218 @@
+"""Actors and messages of the multi-process tests: child processes import them from here.
+
+Child processes are spawned (not forked), so each class must be importable by its module name;
+pytest puts `tests/dist` on `sys.path` and the runtime hands `sys.path` to its children.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, ClassVar
+
+import msgspec
+
+from miles_async.runtime import Actor, Message, handler
+
+
+class CounterStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A typed reply: the caller decodes it back into this struct."""
+
+    count: int
+    history: list[int]
+    pid: int
+    incarnation: int
+
+
+# -- messages -------------------------------------------------------------------------------
+
+
+class Add(Message):
+    amount: int
+    Reply: ClassVar[Any] = int
+
+
+class Get(Message):
+    Reply: ClassVar[Any] = int
+
+
+class Record(Message):
+    """Sent as a tell, to check arrival order."""
+
+    seq: int
+
+
+class Stats(Message):
+    Reply: ClassVar[Any] = CounterStats
+
+
+class Pid(Message):
+    Reply: ClassVar[Any] = int
+
+
+class Boom(Message):
+    """Ask: the handler raises ValueError(text); tell: the actor crashes."""
+
+    text: str
+
+
+class Crash(Message):
+    """A tell whose handler raises RuntimeError(text): the actor crashes."""
+
+    text: str
+
+
+class Sleep(Message):
+    seconds: float
+    Reply: ClassVar[Any] = float
+
+
+class Blob(Message):
+    data: bytes
+    Reply: ClassVar[Any] = int
+
+
+class Fill(Message):
+    """Ask for `num_bytes` bytes back (a reply may be too large to send)."""
+
+    num_bytes: int
+    Reply: ClassVar[Any] = bytes
+
+
+class Unhandled(Message):
+    """No actor here handles it (a well-formed message of the wrong type)."""
+
+    x: int
+
+
+class Hold(Message):
+    """Finishes only once the actor's gate opens."""
+
+    tag: int
+
+
+class OpenGate(Message):
+    pass
+
+
+class CloseGate(Message):
+    pass
+
+
+class Held(Message):
+    Reply: ClassVar[Any] = list[int]
+
+
+class Family(Message):
+    """Ask a parent actor for its pid and its own child process's pid."""
+
+    Reply: ClassVar[Any] = list[int]
+
+
+# -- actors ---------------------------------------------------------------------------------
+
+# how many instances this process has built: a restart in place makes a new one in the same pid
+_incarnations = 0
+
+
+class Counter(Actor):
+    def __init__(self, start: int = 0) -> None:
+        global _incarnations
+        _incarnations += 1
+        self.incarnation = _incarnations
+        self.count = start
+        self.history: list[int] = []
+
+    @handler
+    async def add(self, msg: Add) -> int:
+        self.count += msg.amount
+        return self.count
+
+    @handler
+    def get(self, msg: Get) -> int:
+        return self.count
+
+    @handler
+    def record(self, msg: Record) -> None:
+        self.history.append(msg.seq)
+
+    @handler
+    def stats(self, msg: Stats) -> CounterStats:
+        return CounterStats(count=self.count, history=list(self.history), pid=os.getpid(),
+                            incarnation=self.incarnation)
+
+    @handler
+    def blob(self, msg: Blob) -> int:
+        return len(msg.data)
+
+    @handler
+    def fill(self, msg: Fill) -> bytes:
+        return b"x" * msg.num_bytes
+
+    @handler
+    def pid(self, msg: Pid) -> int:
+        return os.getpid()
+
+    @handler
+    def boom(self, msg: Boom) -> None:
+        raise ValueError(msg.text)  # dist-test: boom raise line
+
+    @handler
+    def crash(self, msg: Crash) -> None:
+        raise RuntimeError(msg.text)
+
+    @handler(concurrent=True)  # so that other asks can prove it was delivered while it waits
+    async def sleep(self, msg: Sleep) -> float:
+        await asyncio.sleep(msg.seconds)
+        return msg.seconds
+
+
+class Gate(Actor):
+    """A small mailbox whose `Hold` handlers wait for the gate; `OpenGate` may overlap them."""
+
+    mailbox_capacity = 4
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.held: list[int] = []
+
+    @handler
+    async def hold(self, msg: Hold) -> None:
+        await self.gate.wait()
+        self.held.append(msg.tag)
+
+    @handler(concurrent=True)
+    async def open(self, msg: OpenGate) -> None:
+        self.gate.set()
+
+    @handler(concurrent=True)
+    async def close(self, msg: CloseGate) -> None:
+        self.gate.clear()
+
+    @handler(concurrent=True)
+    async def list_held(self, msg: Held) -> list[int]:
+        return list(self.held)
+
+
+class Parent(Actor):
+    """Lives in a child process and spawns its own child process (a grandchild of the test)."""
+
+    async def on_start(self) -> None:
+        self.kid = await self.spawn(Counter, f"{self.name}-kid", process=True)
+
+    @handler
+    async def family(self, msg: Family) -> list[int]:
+        return [os.getpid(), await self.kid.ask(Pid(), timeout_s=30)]
+
+    @handler
+    def crash(self, msg: Crash) -> None:
+        raise RuntimeError(msg.text)
+
+
+class FailsToStart(Actor):
+    async def on_start(self) -> None:
+        raise ValueError("no such device: cuda:7")  # dist-test: on_start raise line
+
+    @handler
+    def get(self, msg: Get) -> int:
+        return 0

@@ -1,0 +1,110 @@
+"""Process actors over real ZeroMQ: ask/tell, typed replies, lookup, FIFO, remote errors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from _actors import Add, Boom, Counter, CounterStats, FailsToStart, Get, Pid, Record, Stats
+from _support import TRANSPORTS, config, scenario, wait_pid_gone
+
+from miles_async.runtime import ActorSystem, RemoteError, SpawnError
+
+TIMEOUT_S = 60.0
+NUM_TELLS = 200
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_process_actor_ask_tell_lookup_and_fifo(transport: str) -> None:
+    async def main() -> None:
+        async with ActorSystem(config=config(transport)) as system:
+            assert system.address.startswith(f"{transport}://")
+            ref = await system.spawn(Counter, "counter", kwargs={"start": 10}, process=True)
+            assert not ref.is_local and ref.address.startswith(f"{transport}://")
+            assert ref.address != system.address
+
+            child_pid = await ref.ask(Pid())
+            assert child_pid != os.getpid()
+
+            await ref.tell(Add(amount=5))
+            assert await ref.ask(Add(amount=1)) == 16
+            assert await ref.ask(Get()) == 16
+
+            found = await system.lookup("counter")
+            assert found == ref
+            assert await found.ask(Pid()) == child_pid
+
+            for seq in range(NUM_TELLS):
+                await ref.tell(Record(seq=seq))
+            stats = await ref.ask(Stats())
+            assert isinstance(stats, CounterStats)  # decoded by Stats.Reply, not left a dict
+            assert stats.history == list(range(NUM_TELLS))
+            assert (stats.count, stats.pid) == (16, child_pid)
+
+    scenario(main, TIMEOUT_S)
+
+
+def test_remote_handler_error_keeps_the_actor_serving() -> None:
+    async def main() -> None:
+        async with ActorSystem(config=config("ipc")) as system:
+            ref = await system.spawn(Counter, "counter", process=True)
+            pid = await ref.ask(Pid())
+            await ref.ask(Add(amount=3))
+
+            with pytest.raises(RemoteError) as info:
+                await ref.ask(Boom(text="bad input 42"))
+            failure = info.value.failure
+            assert failure.type == "ValueError"
+            assert failure.message == "bad input 42"
+            assert "dist-test: boom raise line" in failure.traceback  # the source line of the raise
+            assert "_actors.py" in failure.traceback
+            assert "bad input 42" in str(info.value)
+
+            assert await ref.ask(Pid()) == pid  # same process, same instance, same state
+            assert await ref.ask(Get()) == 3
+
+    scenario(main, TIMEOUT_S)
+
+
+def test_failed_on_start_in_a_child_process_reports_its_cause() -> None:
+    async def main() -> None:
+        async with ActorSystem(config=config("ipc")) as system:
+            with pytest.raises(SpawnError) as info:
+                await system.spawn(FailsToStart, "doomed", process=True)
+            cause = info.value.cause
+            assert (cause.type, cause.message) == ("ValueError", "no such device: cuda:7")
+            assert "dist-test: on_start raise line" in cause.traceback
+            ref = await system.spawn(Counter, "doomed", process=True)  # the name is free again
+            assert await ref.ask(Get()) == 0
+
+    scenario(main, TIMEOUT_S)
+
+
+def test_spawn_of_a_taken_name_reports_the_conflict() -> None:
+    async def main() -> None:
+        async with ActorSystem(config=config("ipc")) as system:
+            await system.spawn(Counter, "taken")
+            async with ActorSystem("peer", config=config("ipc"), directory=system.address) as peer:
+                with pytest.raises((ValueError, SpawnError)) as info:  # refused up front, or by the child
+                    await peer.spawn(Counter, "taken", process=True)
+                assert "'taken'" in str(info.value) and "already" in str(info.value), info.value
+                assert await (await peer.lookup("taken")).ask(Get()) == 0  # the first one is untouched
+
+    scenario(main, TIMEOUT_S)
+
+
+def test_a_system_that_joined_a_run_closes_cleanly() -> None:
+    async def main() -> None:
+        async with ActorSystem(config=config("ipc")) as system:
+            peer = ActorSystem("peer", config=config("ipc"), directory=system.address)
+            await peer.start()
+            ref = await peer.spawn(Counter, "joined", process=True)
+            pid = await ref.ask(Pid())
+            try:
+                await peer.close()
+            finally:
+                await wait_pid_gone(pid, 15.0)
+            await asyncio.wait_for(peer.wait_closed(), 5.0)
+
+    scenario(main, TIMEOUT_S)
