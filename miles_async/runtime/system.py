@@ -358,8 +358,12 @@ class ActorSystem:
             raise
         rec.state = RUNNING
         entry = ActorAddress(name=name, address=rec.address, capacity=rec.capacity)
-        if not process:
-            await self._register(entry)
+        if not process:  # a child process registers itself before it reports ready
+            try:
+                await self._register(entry)
+            except RemoteError as exc:  # the name was taken since the check above
+                await self.supervisor.stop_child(rec)
+                raise ValueError(f"cannot register actor {name!r}: {exc.failure.message}") from exc
         return self.ref(entry)
 
     async def stop(self, target: ActorRef | str, *, timeout_s: float | None = None) -> None:
