@@ -124,15 +124,24 @@ def measure(num_sequential: int, num_pipelined: int, reps: int, with_ray: bool =
                               "num_sequential": num_sequential, "num_pipelined": num_pipelined, "rounds": reps}
     for transport in ("ipc", "tcp"):
         ours, raw = [], []
-        for _ in range(reps):
+        for i in range(reps):
             ours.append(run(_ours(transport, num_sequential, num_pipelined, 1)))
             raw.append(raw_zmq(transport, num_sequential, num_pipelined, WINDOW, reps=1))
+            _progress(f"{transport} round {i + 1}/{reps}: miles-async {ours[-1]['sequential_per_s']:,.0f} sequential, "
+                      f"{ours[-1]['pipelined_per_s']:,.0f} pipelined per s; raw zmq {raw[-1]['sequential_per_s']:,.0f}, "
+                      f"{raw[-1]['pipelined_per_s']:,.0f}")
         result[f"miles_async_{transport}"] = _merge(ours)
         result[f"raw_zmq_{transport}"] = _merge(raw)
+    if with_ray:
+        _progress(f"Ray actor, {reps} reps of {ray_counts[0]:,} sequential and {ray_counts[1]:,} pipelined calls...")
     result["ray_actor"] = ray_actor(*ray_counts, reps=reps) if with_ray else None
     result["ray_counts"] = list(ray_counts)
     result["ratios"] = _ratios(result)
     return result
+
+
+def _progress(line: str) -> None:
+    print(f"[bench runtime] {line}", file=sys.stderr, flush=True)  # stdout carries only the JSON
 
 
 def _ratios(result: dict) -> dict:
@@ -165,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="interleaved rounds per transport")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray peer even if installed")
     args = parser.parse_args(argv)
-    if not args.json:
-        print(f"measuring {args.reps} rounds over ipc and tcp, then Ray (about a minute)...", file=sys.stderr)
+    _progress(f"{args.reps} rounds over ipc and tcp, then Ray: about a minute and a half")
     result = measure(args.num_sequential, args.num_pipelined, args.reps, with_ray=not args.no_ray)
     print(json.dumps(result, indent=None if args.json else 1))
     return 0
