@@ -504,38 +504,40 @@ class ActorSystem:
                     err.__cause__ = exc
                     fut.set_exception(err)
         else:
-            left = h.backlog.get(ident, 1) - 1
-            if left:
-                h.backlog[ident] = left
-            else:
-                h.backlog.pop(ident, None)
-            if env.is_ask:
-                if exc is None:
-                    try:
-                        body = self._encode(value)
-                    except (TypeError, ValueError) as enc_exc:
-                        self._reply_error(ident, env.msg_id, h.route, "handler", wire.problem(
-                            "EncodeError", f"{type(env.msg).__name__} handler returned a value that cannot be "
-                            f"sent: {enc_exc}"))
-                    else:
-                        if len(body) > self._max_body:
-                            self._reply_error(ident, env.msg_id, h.route, "handler", wire.problem(
-                                "EncodeError", f"the reply to {type(env.msg).__name__} is {len(body)} bytes, over "
-                                f"max_message_bytes ({self.config.max_message_bytes})"))
-                        else:
-                            self._router_send(ident, wire.HEAD.pack(wire.REPLY, env.msg_id, 0) + body)
-                elif isinstance(exc, ActorDeadError):
-                    self._reply_error(ident, env.msg_id, h.route, "dead", exc.cause)
-                else:
-                    self._reply_error(ident, env.msg_id, h.route, "handler", Failure.from_exception(exc))
-            elif exc is None or isinstance(exc, ActorDeadError):
-                self._ack(ident, h.route)
-            else:
-                self._reply_error(ident, env.msg_id, h.route, "handler", Failure.from_exception(exc))
+            self._answer_remote(h, env, ident, value, exc)
         if exc is not None and not env.is_ask and not isinstance(exc, ActorDeadError) and h.state is RUNNING:
             log.error("actor %r crashed: a tell handler for %s raised", h.name, type(env.msg).__name__,
                       exc_info=exc)
             self._crash(h, Failure.from_exception(exc))
+
+    def _answer_remote(self, h: _Hosted, env: _Env, ident: bytes, value: Any, exc: BaseException | None) -> None:
+        left = h.backlog.get(ident, 1) - 1
+        if left:
+            h.backlog[ident] = left
+        else:
+            h.backlog.pop(ident, None)
+        if exc is None:
+            if env.is_ask:
+                self._reply_value(h, env, ident, value)
+            else:
+                self._ack(ident, h.route)  # a tell's credit comes back in a batched ACK
+        elif isinstance(exc, ActorDeadError):
+            self._reply_error(ident, env.msg_id, h.route, "dead", exc.cause)
+        else:
+            self._reply_error(ident, env.msg_id, h.route, "handler", Failure.from_exception(exc))
+
+    def _reply_value(self, h: _Hosted, env: _Env, ident: bytes, value: Any) -> None:
+        what = type(env.msg).__name__
+        try:
+            body = self._encode(value)
+        except (TypeError, ValueError) as exc:
+            problem = f"the {what} handler returned a value that cannot be sent: {exc}"
+        else:
+            if len(body) <= self._max_body:
+                self._router_send(ident, wire.HEAD.pack(wire.REPLY, env.msg_id, 0) + body)
+                return
+            problem = f"the reply to {what} is {len(body)} bytes, over max_message_bytes ({self.config.max_message_bytes})"
+        self._reply_error(ident, env.msg_id, h.route, "handler", wire.problem("EncodeError", problem))
 
     def _fail_queue(self, h: _Hosted) -> None:
         failure = h.failure or _stopped(h.name)

@@ -332,7 +332,7 @@ def test_timeouts_and_local_backpressure():
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
 def test_two_systems_in_one_process_talk_over_real_sockets(transport):
     async def scenario():
-        cfg = RuntimeConfig(transport=transport)
+        cfg = RuntimeConfig(transport=transport, stop_grace_s=0.2)  # Wait below never ends by itself
         async with ActorSystem("a", config=cfg) as a, ActorSystem("b", config=cfg, directory=a.address) as b:
             c = await b.spawn(Counter, "c")
             remote = await a.lookup("c")
@@ -345,7 +345,16 @@ def test_two_systems_in_one_process_talk_over_real_sockets(transport):
                 await remote.ask(Boom(text="x"))
             with pytest.raises(BadMessageError):
                 await remote.ask(Unhandled())
+            running = remote.ask_future(Wait())
+            queued = [remote.ask_future(Add(amount=1)) for _ in range(3)]
+            for _ in range(3):
+                await remote.tell(Add(amount=1))
+            await _until(lambda: b._hosted[b"c"].queue)  # all of them wait behind Wait
             await c.stop()
+            for fut in [running, *queued]:
+                with pytest.raises(ActorDeadError, match="stopped"):
+                    await fut
+            await _until(lambda: remote._link.used.get("c") == 0)  # the tells were answered too
             with pytest.raises(ActorDeadError):
                 await remote.ask(Get())
 
