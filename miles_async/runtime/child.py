@@ -10,6 +10,7 @@ process is gone.
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import sys
@@ -56,6 +57,7 @@ async def _serve(spec: ChildSpec) -> int:
     system = ActorSystem(spec.name, config=spec.config, directory=spec.directory, bind=spec.bind, key_dir=spec.key_dir)
     await system.start()
     system.watch_parent = True
+    gc.freeze()  # this process lives on: keep its start-up objects out of every later collection
     owner = system.ref(ActorAddress(name=SYSTEM_ACTOR, address=spec.owner_address, capacity=1 << 16))
     h = system._host(spec.name, spec.cls, spec.args, spec.kwargs, spec.owner, spec.owner_address)
     h.main = True
