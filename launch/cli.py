@@ -29,7 +29,9 @@ BENCH_TARGETS = {
     "weights": "weight transports, side by side with memcpy",
     "loop": "the RL loop, async side by side with sync",
 }
-MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3-moe")
+# Hugging Face's model_type names (miles_async.models.FAMILIES, not imported here to keep --help
+# fast); "qwen3-moe" is accepted for qwen3_moe.
+MODEL_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 # A handler gets the parsed arguments and, for pass-through verbs only, the arguments left over.
 Handler = Callable[[argparse.Namespace, list[str]], int]
@@ -58,6 +60,25 @@ def _bench(args: argparse.Namespace, extra: list[str]) -> int:
             raise  # the benchmark exists but something it imports is missing: show that
         return _not_implemented(f"bench {args.target}", args, extra)
     return module.main(extra)
+
+
+def _init_model(args: argparse.Namespace, extra: list[str]) -> int:
+    from miles_async.models import init_model
+
+    try:
+        folder = init_model(args.family, args.preset, args.out, seed=args.seed)
+    except ValueError as e:  # a bad preset: say so like argparse does, without a traceback
+        print(f"{PROG} init-model: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote a random-init {args.family} ({args.preset}) model and its tokenizer to {folder}")
+    return 0
+
+
+def _serve_engine(args: argparse.Namespace, extra: list[str]) -> int:
+    from miles_async.engine.server import main as serve_engine
+
+    return serve_engine(args.model, args.host, args.port, kv_cache_mib=args.kv_cache_mib,
+                        max_running_requests=args.max_running_requests)
 
 
 def _add_verb(subparsers, name: str, help_text: str, handler: Handler, **kwargs) -> argparse.ArgumentParser:
@@ -108,13 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
         servers,
         "engine",
         "the embedded engine behind SGLang's native HTTP API",
-        functools.partial(_not_implemented, "serve engine"),
+        _serve_engine,
     )
     engine.add_argument("--model", required=True, metavar="DIR", help="Hugging Face checkpoint folder")
     engine.add_argument(
         "--host", default="127.0.0.1", metavar="H", help="address to bind (default: %(default)s)"
     )
-    engine.add_argument("--port", type=int, default=30000, metavar="P", help="port (default: %(default)s)")
+    engine.add_argument("--port", type=int, default=30000, metavar="P",
+                        help="port, 0 for any free one (default: %(default)s)")
+    engine.add_argument("--kv-cache-mib", type=float, default=512.0, metavar="MIB",
+                        help="KV cache memory, all layers (default: %(default)s)")
+    engine.add_argument("--max-running-requests", type=int, default=256, metavar="N",
+                        help="requests decoded together at most; more wait (default: %(default)s)")
     session = _add_verb(
         servers,
         "session",
@@ -145,13 +171,20 @@ def build_parser() -> argparse.ArgumentParser:
         verbs,
         "init-model",
         "write a randomly initialised model and its tokenizer",
-        functools.partial(_not_implemented, "init-model"),
+        _init_model,
     )
-    init_model.add_argument("--family", required=True, choices=MODEL_FAMILIES, help="model family")
+    init_model.add_argument(
+        "--family",
+        required=True,
+        type=lambda text: text.replace("-", "_"),
+        choices=MODEL_FAMILIES,
+        help="model family",
+    )
     init_model.add_argument(
         "--preset", default="tiny", metavar="NAME", help="size preset (default: %(default)s)"
     )
     init_model.add_argument("--out", required=True, metavar="DIR", help="folder to write")
+    init_model.add_argument("--seed", type=int, default=0, help="weight seed (default: %(default)s)")
 
     plot = _add_verb(verbs, "plot", "write PNG plots of a run", functools.partial(_not_implemented, "plot"))
     plot.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")

@@ -1,0 +1,102 @@
+"""Attention backends: the seam between the models and whoever owns the keys and values.
+
+A model computes q, k and v (RoPE applied, q/k-norm too for Qwen3) and hands them to an
+`AttentionBackend`; the backend returns the attended values. The default, `DenseCausalAttention`,
+attends over the tokens of the call itself (training, scoring, parity tests); the embedded engine
+supplies its own backend that stores k/v in its paged cache and attends over the cached prefix.
+
+Packed rows: a sample's positions are consecutive, so a token whose position is not its left
+neighbour's plus one starts a new sample (positions restarting at 0 do), and a token attends only
+to earlier tokens of its own sample: the mask is block-diagonal causal.
+
+Tensor names (STYLE rule 10): B batch, T query tokens, S key tokens, N query heads, K kv heads,
+H head dim.
+
+Try it: `DenseCausalAttention()(0, q_BTNH, k_BTKH, v_BTKH, positions_BT)`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Attends q over k/v. q/k already carry RoPE; expanding K kv heads to N is the backend's job."""
+
+    def __call__(
+        self,
+        layer_idx: int,
+        q_BTNH: torch.Tensor,
+        k_BTKH: torch.Tensor,
+        v_BTKH: torch.Tensor,
+        positions_BT: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
+def sample_ids(positions_BT: torch.Tensor) -> torch.Tensor:
+    """Number the packed samples of each row (from 1): a new one starts where positions stop being
+    consecutive."""
+    starts_BT = torch.ones_like(positions_BT, dtype=torch.bool)
+    starts_BT[:, 1:] = positions_BT[:, 1:] != positions_BT[:, :-1] + 1
+    return torch.cumsum(starts_BT.to(torch.int64), dim=1)
+
+
+def packed_causal_mask(positions_BT: torch.Tensor) -> torch.Tensor | None:
+    """The boolean mask [B, 1, T, T] (True = may attend), or None when every row is one sample."""
+    ids_BT = sample_ids(positions_BT)
+    if bool((ids_BT[:, -1] == 1).all()):
+        return None
+    num_tokens = positions_BT.shape[1]
+    causal_TT = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=positions_BT.device).tril()
+    same_sample_BTT = ids_BT[:, :, None] == ids_BT[:, None, :]
+    return (same_sample_BTT & causal_TT)[:, None]
+
+
+def expand_kv(x_BSKH: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Repeat each kv head for its group of query heads (query head n reads kv head n // group)."""
+    num_kv_heads = x_BSKH.shape[2]
+    if num_kv_heads == num_heads:
+        return x_BSKH
+    return x_BSKH.repeat_interleave(num_heads // num_kv_heads, dim=2)
+
+
+class DenseCausalAttention:
+    """Causal attention over the call's own tokens, block-diagonal where rows are packed.
+
+    A row that is one sample uses SDPA's built-in causal path; packed rows build the mask from
+    `positions_BT` (see the module docstring). The mask is built once per forward: every layer
+    gets the same positions tensor, so the last one's mask is kept.
+    """
+
+    def __init__(self) -> None:
+        self._positions_BT: torch.Tensor | None = None
+        self._mask_B1TT: torch.Tensor | None = None
+
+    def mask_for(self, positions_BT: torch.Tensor) -> torch.Tensor | None:
+        if positions_BT is not self._positions_BT:
+            self._positions_BT, self._mask_B1TT = positions_BT, packed_causal_mask(positions_BT)
+        return self._mask_B1TT
+
+    def __call__(
+        self,
+        layer_idx: int,
+        q_BTNH: torch.Tensor,
+        k_BTKH: torch.Tensor,
+        v_BTKH: torch.Tensor,
+        positions_BT: torch.Tensor,
+    ) -> torch.Tensor:
+        num_heads = q_BTNH.shape[2]
+        k_BTNH, v_BTNH = expand_kv(k_BTKH, num_heads), expand_kv(v_BTKH, num_heads)
+        mask_B1TT = self.mask_for(positions_BT)
+        out_BNTH = F.scaled_dot_product_attention(
+            q_BTNH.transpose(1, 2),
+            k_BTNH.transpose(1, 2),
+            v_BTNH.transpose(1, 2),
+            attn_mask=mask_B1TT,
+            is_causal=mask_B1TT is None,
+        )
+        return out_BNTH.transpose(1, 2)
