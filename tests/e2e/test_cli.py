@@ -55,13 +55,10 @@ def test_help_of_each_verb(verb: str) -> None:
     [
         ("run", "run recipe.toml --out runs/x trainer.lr=1e-6"),
         ("launch", "launch --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 recipe.toml"),
-        ("serve engine", "serve engine --model models/tiny --port 30001"),
         ("serve session", "serve session --engine http://127.0.0.1:30000"),
         ("sim", "sim trace.jsonl --json"),
-        ("bench engine", "bench engine --json"),
         ("bench weights", "bench weights --json"),
         ("bench loop", "bench loop --json"),
-        ("init-model", "init-model --family qwen3 --preset tiny --out models/tiny"),
         ("plot", "plot runs/x"),
     ],
 )

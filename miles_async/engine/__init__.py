@@ -1,0 +1,40 @@
+"""The embedded rollout engine and its SGLang-compatible HTTP API (DESIGN.md, "Engines").
+
+- `Engine` (core.py): continuous batching over a paged KV cache with a radix prefix cache,
+  sampling with per-token log-probs, abort, pause/continue, in-place weight updates, routed
+  experts for MoE models. `Engine.from_pretrained(DIR)`; `await engine.generate(GenerateRequest(...))`.
+- `EngineServer` / `create_app` (server.py): SGLang's native endpoints over aiohttp;
+  `miles-async serve engine --model DIR --port P` runs it.
+- `EngineClient` (client.py): the async client for this server and for a real SGLang server.
+- `SGLangServer` (sglang.py): start a real SGLang server as a subprocess (GPU, `sglang` extra).
+
+Try it:
+    miles-async init-model --family qwen3 --preset tiny --out /tmp/tiny
+    miles-async serve engine --model /tmp/tiny --port 30000 &
+    curl -s localhost:30000/generate -d '{"text": "Hi", "sampling_params": {"max_new_tokens": 8}}'
+"""
+
+from miles_async.engine.client import EngineClient, EngineHTTPError, decode_routed_experts
+from miles_async.engine.core import PAUSE_MODES, Engine, EngineConfig, EngineOverloadedError, EngineStats
+from miles_async.engine.request import GenerateOutput, GenerateRequest
+from miles_async.engine.sampling import SamplingParams
+from miles_async.engine.server import EngineServer, create_app
+from miles_async.engine.sglang import SGLangServer, SGLangStartError
+
+__all__ = [
+    "PAUSE_MODES",
+    "Engine",
+    "EngineClient",
+    "EngineConfig",
+    "EngineHTTPError",
+    "EngineOverloadedError",
+    "EngineServer",
+    "EngineStats",
+    "GenerateOutput",
+    "GenerateRequest",
+    "SGLangServer",
+    "SGLangStartError",
+    "SamplingParams",
+    "create_app",
+    "decode_routed_experts",
+]

@@ -1,0 +1,200 @@
+"""The engine's attention backend: write new keys/values into KV blocks, attend over the cache.
+
+One engine step runs the model once on a single packed row that holds every scheduled request's
+new tokens (a decoding request's one token, a prefilling request's prompt chunk), each at its
+absolute position. `build_plan` turns the step's schedule into index tensors once; then, in
+every layer, `PagedAttention`
+  1. writes the new k/v into their slots (one `index_copy_` each),
+  2. for each group of requests, gathers their blocks into a padded [G, S] layout with one
+     `index_select` into a reused buffer, and runs one `scaled_dot_product_attention` over it
+     with a causal mask built from positions (query at position p sees keys 0..p),
+  3. writes the group's outputs back to their packed rows.
+
+Why groups, not one call: the padded layout costs memory traffic in proportion to G x S_max, and
+on CPU that traffic is the step's main cost (measured here: gathering 128 requests x 256
+positions of a 4-head, 64-dim layer takes ~1.4 ms into a reused buffer, ~10 ms into a fresh
+one). So decoding requests (one query each) are bucketed by length, a bucket closing when the
+next request is much shorter, and prefill chunks (many queries each) form their own group; a
+step with requests of similar lengths runs one call per layer.
+
+Tensor names (STYLE rule 10): T packed tokens of the step, G requests in a group, Q queries per
+request (padded), S key positions (padded to whole blocks), N query heads, K kv heads, H head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from miles_async.engine.kv_cache import KVCache
+
+# A decode bucket closes when the next (shorter) request would waste more than this fraction of
+# the bucket's padded positions, unless the bucket is still small (a call costs ~50 us itself).
+MAX_PADDING_FRACTION = 0.35
+MIN_BUCKET_POSITIONS = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """One request's share of a step: tokens [start, start + num_tokens) over its block table."""
+
+    block_table: Sequence[int]
+    start: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionGroup:
+    q_index_GQ: torch.Tensor  # packed row of each query (padding repeats a valid row)
+    blocks_F: torch.Tensor  # flattened [G, S / block_size] block table
+    mask_G1QS: torch.Tensor  # additive: 0 where the query sees the key, -inf elsewhere
+    valid_GQ: torch.Tensor | None  # which queries are real (None: all)
+    out_index_V: torch.Tensor  # packed rows of the real queries, in valid_GQ order
+    num_positions: int  # S
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    positions_T: torch.Tensor
+    write_slots_T: torch.Tensor
+    groups: tuple[AttentionGroup, ...]
+    last_index_R: torch.Tensor  # packed row of each chunk's last token
+
+
+def build_plan(chunks: Sequence[ScheduledChunk], block_size: int) -> StepPlan:
+    """Index tensors for one step; chunks are packed in the order given."""
+    positions: list[int] = []
+    slots: list[int] = []
+    offsets: list[int] = []
+    for chunk in chunks:
+        offsets.append(len(positions))
+        for p in range(chunk.start, chunk.start + chunk.num_tokens):
+            positions.append(p)
+            slots.append(chunk.block_table[p // block_size] * block_size + p % block_size)
+    decode = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
+    prefill = [i for i, c in enumerate(chunks) if c.num_tokens > 1]
+    groups = [_group(chunks, offsets, rows, block_size) for rows in _decode_buckets(chunks, decode, block_size)]
+    if prefill:
+        groups.append(_group(chunks, offsets, prefill, block_size))
+    last = [offsets[i] + c.num_tokens - 1 for i, c in enumerate(chunks)]
+    return StepPlan(
+        positions_T=torch.tensor(positions, dtype=torch.long),
+        write_slots_T=torch.tensor(slots, dtype=torch.long),
+        groups=tuple(groups),
+        last_index_R=torch.tensor(last, dtype=torch.long),
+    )
+
+
+def _decode_buckets(chunks: Sequence[ScheduledChunk], rows: list[int], block_size: int) -> list[list[int]]:
+    def padded_len(i: int) -> int:
+        return -(-(chunks[i].start + 1) // block_size) * block_size
+
+    ordered = sorted(rows, key=padded_len, reverse=True)
+    buckets: list[list[int]] = []
+    used = 0
+    for i in ordered:
+        if buckets:
+            bucket = buckets[-1]
+            width = padded_len(bucket[0])
+            padded = width * (len(bucket) + 1)
+            if padded < MIN_BUCKET_POSITIONS or used + padded_len(i) >= (1 - MAX_PADDING_FRACTION) * padded:
+                bucket.append(i)
+                used += padded_len(i)
+                continue
+        buckets.append([i])
+        used = padded_len(i)
+    return buckets
+
+
+def _group(chunks: Sequence[ScheduledChunk], offsets: list[int], rows: list[int], block_size: int) -> AttentionGroup:
+    num_queries = max(chunks[i].num_tokens for i in rows)
+    num_blocks = max(-(-(chunks[i].start + chunks[i].num_tokens) // block_size) for i in rows)
+    q_index, q_pos, valid, blocks = [], [], [], []
+    for i in rows:
+        chunk = chunks[i]
+        n = chunk.num_tokens
+        q_index.append([offsets[i] + min(j, n - 1) for j in range(num_queries)])
+        # A padded query stands at position 0 so its row of the mask is not all -inf (NaN).
+        q_pos.append([chunk.start + j if j < n else 0 for j in range(num_queries)])
+        valid.append([j < n for j in range(num_queries)])
+        table = list(chunk.block_table[: -(-(chunk.start + n) // block_size)])
+        blocks.extend(table + [0] * (num_blocks - len(table)))  # padding blocks are masked out
+    q_pos_GQ = torch.tensor(q_pos, dtype=torch.long)
+    num_positions = num_blocks * block_size
+    sees_GQS = torch.arange(num_positions)[None, None, :] <= q_pos_GQ[:, :, None]
+    mask_G1QS = torch.zeros(sees_GQS.shape, dtype=torch.float32).masked_fill_(~sees_GQS, float("-inf"))[:, None]
+    q_index_GQ = torch.tensor(q_index, dtype=torch.long)
+    valid_GQ = torch.tensor(valid, dtype=torch.bool)
+    all_valid = bool(valid_GQ.all())
+    return AttentionGroup(
+        q_index_GQ=q_index_GQ,
+        blocks_F=torch.tensor(blocks, dtype=torch.long),
+        mask_G1QS=mask_G1QS,
+        valid_GQ=None if all_valid else valid_GQ,
+        out_index_V=q_index_GQ.flatten() if all_valid else q_index_GQ[valid_GQ],
+        num_positions=num_positions,
+    )
+
+
+class PagedAttention:
+    """`AttentionBackend` (miles_async.models.attention) over the engine's KV blocks, for one step.
+
+    The model calls it once per layer with the packed row's q/k/v (rotary applied); batch size is
+    1. The gather buffers are the engine's, reused from step to step.
+    """
+
+    def __init__(self, cache: KVCache, plan: StepPlan, workspace: GatherWorkspace) -> None:
+        self._cache = cache
+        self._plan = plan
+        self._workspace = workspace
+
+    def __call__(self, layer_idx: int, q_BTNH: torch.Tensor, k_BTKH: torch.Tensor, v_BTKH: torch.Tensor,
+                 positions_BT: torch.Tensor) -> torch.Tensor:
+        assert q_BTNH.shape[0] == 1, "the engine packs each step into one row"
+        q_TNH, k_TKH, v_TKH = q_BTNH[0], k_BTKH[0], v_BTKH[0]
+        k_blocks, v_blocks = self._cache.k_blocks[layer_idx], self._cache.v_blocks[layer_idx]
+        num_kv_heads, head_dim = k_blocks.shape[2], k_blocks.shape[3]
+        slots = self._plan.write_slots_T
+        k_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k_TKH.to(k_blocks.dtype))
+        v_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v_TKH.to(v_blocks.dtype))
+        out_TNH = torch.empty_like(q_TNH)
+        gqa = q_TNH.shape[1] != num_kv_heads
+        for group in self._plan.groups:
+            num_rows, num_positions = group.q_index_GQ.shape[0], group.num_positions
+            q_GNQH = q_TNH[group.q_index_GQ].transpose(1, 2)
+            k_F = self._workspace.gather(0, k_blocks, group.blocks_F)
+            v_F = self._workspace.gather(1, v_blocks, group.blocks_F)
+            k_GKSH = k_F.view(num_rows, num_positions, num_kv_heads, head_dim).transpose(1, 2)
+            v_GKSH = v_F.view(num_rows, num_positions, num_kv_heads, head_dim).transpose(1, 2)
+            o_GNQH = F.scaled_dot_product_attention(
+                q_GNQH, k_GKSH.to(q_GNQH.dtype), v_GKSH.to(q_GNQH.dtype),
+                attn_mask=group.mask_G1QS.to(q_GNQH.dtype), enable_gqa=gqa)
+            o_GQNH = o_GNQH.transpose(1, 2)
+            real = o_GQNH.flatten(0, 1) if group.valid_GQ is None else o_GQNH[group.valid_GQ]
+            out_TNH.index_copy_(0, group.out_index_V, real)
+        return out_TNH[None]
+
+
+class GatherWorkspace:
+    """Two reused buffers (keys, values) for the padded per-group gather.
+
+    Gathering into fresh tensors costs several times more than into a reused buffer here (page
+    faults on every large allocation), so the engine keeps these, grown to the largest group seen.
+    Bounded by the KV cache itself: a group never gathers more blocks than the cache holds.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
+    def gather(self, which: int, blocks: torch.Tensor, index_F: torch.Tensor) -> torch.Tensor:
+        block_shape = blocks.shape[1:]
+        numel = index_F.numel() * block_shape.numel()
+        buffer = self._buffers[which]
+        if buffer is None or buffer.numel() < numel or buffer.dtype != blocks.dtype:
+            buffer = torch.empty(numel, dtype=blocks.dtype)
+            self._buffers[which] = buffer
+        out = buffer[:numel].view(index_F.numel(), *block_shape)
+        return torch.index_select(blocks, 0, index_F, out=out)

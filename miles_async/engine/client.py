@@ -1,0 +1,196 @@
+"""`EngineClient`: an async client of SGLang's native HTTP API, for the embedded engine and SGLang alike.
+
+    async with EngineClient("http://127.0.0.1:30000") as client:
+        await client.wait_healthy(timeout_s=60)
+        out = await client.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 8},
+                                    return_logprob=True)
+        out["output_ids"], out["meta_info"]["output_token_logprobs"]
+
+Every call has a timeout; an HTTP error status raises `EngineHTTPError` carrying the server's
+message. Responses are SGLang's JSON, returned as dicts (see miles_async.engine.server).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import base64
+import json
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import torch
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+# One SSE line holds the cumulative output so far; aiohttp reads lines up to twice this.
+READ_BUFFER_BYTES = 4 * 2**20
+
+
+class EngineHTTPError(RuntimeError):
+    """The engine answered with an error status; `message` is its explanation."""
+
+    def __init__(self, status: int, message: str, path: str) -> None:
+        super().__init__(f"{path}: HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+        self.path = path
+
+
+class EngineClient:
+    """One connection pool to one engine; use as an async context manager (or call close())."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
+                 max_connections: int = 1024) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, read_bufsize=READ_BUFFER_BYTES,
+                connector=aiohttp.TCPConnector(limit=self._max_connections))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _request(self, method: str, path: str, payload: dict[str, Any] | None = None) -> Any:
+        async with self._http().request(method, self.base_url + path, json=payload) as response:
+            body = await response.read()
+            if response.status >= 400:
+                raise EngineHTTPError(response.status, _error_message(body), path)
+            if response.content_type == "application/json":
+                return json.loads(body)
+            return body.decode(errors="replace")
+
+    # ----- generation -----
+
+    async def generate(self, *, input_ids: list[int] | list[list[int]] | None = None,
+                       text: str | list[str] | None = None, sampling_params: dict[str, Any] | None = None,
+                       rid: str | None = None, return_logprob: bool = False, return_routed_experts: bool = False,
+                       **extra: Any) -> Any:
+        """POST /generate; returns SGLang's output dict (a list of them for a batch)."""
+        payload = _generate_payload(input_ids, text, sampling_params, rid, return_logprob, return_routed_experts,
+                                    extra)
+        return await self._request("POST", "/generate", payload)
+
+    async def generate_stream(self, *, input_ids: list[int] | None = None, text: str | None = None,
+                              sampling_params: dict[str, Any] | None = None, rid: str | None = None,
+                              return_logprob: bool = False, **extra: Any) -> AsyncIterator[dict[str, Any]]:
+        """POST /generate with stream: yields each cumulative output; the last has a finish_reason."""
+        payload = _generate_payload(input_ids, text, sampling_params, rid, return_logprob, False, extra)
+        payload["stream"] = True
+        async with self._http().post(self.base_url + "/generate", json=payload) as response:
+            if response.status >= 400:
+                raise EngineHTTPError(response.status, _error_message(await response.read()), "/generate")
+            async for raw_line in response.content:  # lines up to 2 x read_bufsize bytes
+                line = raw_line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[len(b"data:"):].strip()
+                if data == b"[DONE]":
+                    return
+                yield json.loads(data)
+
+    # ----- health and information -----
+
+    async def health(self) -> bool:
+        try:
+            async with self._http().get(self.base_url + "/health",
+                                        timeout=aiohttp.ClientTimeout(total=5.0)) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    async def wait_healthy(self, timeout_s: float, interval_s: float = 0.25) -> None:
+        """Poll /health until it answers 200; raise TimeoutError after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while not await self.health():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{self.base_url} was not healthy within {timeout_s} s")
+            await asyncio.sleep(interval_s)
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self._request("GET", "/get_model_info")
+
+    async def server_info(self) -> dict[str, Any]:
+        return await self._request("GET", "/get_server_info")
+
+    # ----- control -----
+
+    async def flush_cache(self) -> None:
+        await self._request("POST", "/flush_cache")
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        if rid is None and not abort_all:
+            raise ValueError("give rid (the request to abort) or abort_all=True")
+        await self._request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
+    async def pause(self, mode: str = "abort") -> None:
+        """POST /pause_generation; SGLang's modes are "abort", "retract" and "in_place"."""
+        await self._request("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        """POST /continue_generation."""
+        await self._request("POST", "/continue_generation", {})
+
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
+                                       **extra: Any) -> dict[str, Any]:
+        payload = {"model_path": model_path, **extra}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return await self._request("POST", "/update_weights_from_disk", payload)
+
+
+def _generate_payload(input_ids: Any, text: Any, sampling_params: dict[str, Any] | None, rid: str | None,
+                      return_logprob: bool, return_routed_experts: bool, extra: dict[str, Any]) -> dict[str, Any]:
+    if (input_ids is None) == (text is None):
+        raise ValueError("give exactly one of input_ids and text")
+    payload: dict[str, Any] = {"sampling_params": sampling_params or {}, **extra}
+    payload["input_ids" if input_ids is not None else "text"] = input_ids if input_ids is not None else text
+    if rid is not None:
+        payload["rid"] = rid
+    if return_logprob:
+        payload["return_logprob"] = True
+    if return_routed_experts:
+        payload["return_routed_experts"] = True
+    return payload
+
+
+def _error_message(body: bytes) -> str:
+    text = body.decode(errors="replace")
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError:
+        return text.strip()
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in parsed:
+            return str(parsed["message"])
+    return text.strip()
+
+
+def decode_routed_experts(encoded: str, num_layers: int, top_k: int) -> torch.Tensor:
+    """meta_info["routed_experts"] → int32 tensor [tokens, num_layers, top_k] (SGLang's layout)."""
+    values = array.array("i")
+    values.frombytes(base64.b64decode(encoded))
+    if sys.byteorder == "big":
+        values.byteswap()
+    return torch.tensor(values, dtype=torch.int32).view(-1, num_layers, top_k)

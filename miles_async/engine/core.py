@@ -1,0 +1,591 @@
+"""The embedded engine: continuous batching over a paged KV cache with a radix prefix cache.
+
+    engine = Engine.from_pretrained("models/tiny")            # or Engine(model, tokenizer=...)
+    async with engine:
+        out = await engine.generate(GenerateRequest(input_ids=[1, 2, 3],
+                                                    sampling_params=SamplingParams(temperature=0)))
+
+How a step runs. The engine loop is one asyncio task. Each step, holding the engine lock, it
+  1. schedules: every running request gets its next token (a decoding request) or its next
+     prompt chunk (a prefilling one, within `max_prefill_tokens` per step), then waiting requests
+     are admitted in arrival order while KV blocks and `max_running_requests` allow. A request's
+     prompt is first matched against the prefix cache; the matched blocks are shared, not
+     recomputed. When a decoding request needs a block and none is free even after evicting
+     unused cached blocks, the most recently admitted request is retracted: its KV goes to the
+     prefix cache, its blocks are released, and it waits at the head of the queue, keeping its
+     outputs and its random generator, to be re-prefilled (mostly from the cache) later.
+  2. runs the model on one packed row of all scheduled tokens, then samples, on the compute
+     thread (compute.py: one thread for all torch work), so the event loop (and an HTTP server
+     on it) stays responsive;
+  3. applies the results: appends tokens, checks stop conditions, finishes requests (their full
+     KV blocks go into the prefix cache), and wakes whoever waits on them.
+Control calls (abort, pause, flush, weight updates) take the same lock, so they act between
+steps; `submit` does not need it.
+
+Bounds: at most `max_running_requests` run and `max_waiting_requests` wait (`submit` raises
+`EngineOverloadedError` beyond); KV memory is `kv_cache_mib`; every admitted request fits alone
+(`submit` rejects prompt + max_new_tokens beyond the context length).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+
+from miles_async.engine import compute
+from miles_async.engine.attention import GatherWorkspace, PagedAttention, ScheduledChunk, StepPlan, build_plan
+from miles_async.engine.kv_cache import KVCache, OutOfBlocksError
+from miles_async.engine.request import (
+    GenerateOutput,
+    GenerateRequest,
+    Phase,
+    Request,
+    Tokenizer,
+    output_text,
+    stop_reason,
+)
+from miles_async.engine.sampling import make_generator, sample
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+log = logging.getLogger(__name__)
+
+# SGLang's pause modes, plus "wait" (ours): finish what is in flight, admit nothing new.
+PAUSE_MODES = ("abort", "in_place", "retract", "wait")
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (`max_waiting_requests`); retry later (HTTP 503)."""
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Sizes and limits of the embedded engine."""
+
+    block_size: int = 16
+    kv_cache_mib: float = 512.0  # KV memory for all layers; sets the number of blocks
+    max_running_requests: int = 256
+    max_waiting_requests: int = 4096
+    max_prefill_tokens: int = 1024  # prompt tokens computed per step; longer prompts are chunked
+    max_seq_len: int | None = None  # default: the model's max_position_embeddings
+    seed: int = 0  # of the generator shared by requests without a sampling_seed
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_running_requests", "max_waiting_requests", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_mib <= 0:
+            raise ValueError(f"EngineConfig.kv_cache_mib must be > 0, got {self.kv_cache_mib}")
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    num_running: int
+    num_waiting: int
+    num_steps: int
+    num_generated_tokens: int
+    num_prompt_tokens: int  # prompt tokens of admitted requests (first admission)
+    num_cached_prompt_tokens: int  # of which the prefix cache held
+    prefix_cache_hit_rate: float
+    num_retractions: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_blocks: int
+    weight_version: str
+    paused: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    requests: list[Request]
+    chunks: list[ScheduledChunk]
+    sampled: list[bool]  # which chunks end at the request's last token (sample after them)
+    input_ids: list[int]  # the chunks' tokens, packed
+
+
+def _copy_into(state: dict[str, torch.Tensor], items: list[tuple[str, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for name, tensor in items:
+            state[name].data.copy_(tensor)
+
+
+def _config_int(config: Any, name: str, default: int = 0) -> int:
+    value = getattr(config, name, None)
+    return default if value is None else int(value)
+
+
+class Engine:
+    """Continuous-batching generation over one model; all methods run on one event loop."""
+
+    def __init__(self, model: torch.nn.Module, *, tokenizer: Tokenizer | None = None,
+                 config: EngineConfig | None = None, model_path: str | None = None,
+                 weight_version: str = "0") -> None:
+        config = config or EngineConfig()
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_path = model_path
+        self.weight_version = weight_version
+        mc = model.config
+        self.vocab_size = _config_int(mc, "vocab_size")
+        num_heads = _config_int(mc, "num_attention_heads")
+        head_dim = _config_int(mc, "head_dim") or _config_int(mc, "hidden_size") // num_heads
+        model_max = _config_int(mc, "max_position_embeddings", 2048)
+        self.max_seq_len = min(config.max_seq_len or model_max, model_max)
+        self.is_moe = bool(getattr(mc, "is_moe", _config_int(mc, "num_experts") > 0))
+        layer_shape = {"num_layers": _config_int(mc, "num_hidden_layers"), "block_size": config.block_size,
+                       "num_kv_heads": _config_int(mc, "num_key_value_heads") or num_heads, "head_dim": head_dim}
+        num_blocks = int(config.kv_cache_mib * 2**20) // KVCache.bytes_per_block(**layer_shape)
+        needed = -(-self.max_seq_len // config.block_size)
+        if num_blocks < needed:
+            raise ValueError(f"kv_cache_mib={config.kv_cache_mib} holds {num_blocks} blocks but one request of "
+                             f"max_seq_len={self.max_seq_len} tokens needs {needed}; raise kv_cache_mib or lower "
+                             "max_seq_len")
+        self.cache = compute.run_sync(KVCache, num_blocks=num_blocks, **layer_shape)
+        self._workspace = GatherWorkspace()
+        self._shared_generator = make_generator(config.seed)
+        # Every id that ends generation unless ignore_eos: the tokenizer's and the generation config's.
+        eos_ids = getattr(tokenizer, "eos_token_ids", None) or [getattr(tokenizer, "eos_token_id", None)]
+        self._eos_ids = frozenset(i for i in eos_ids if i is not None)
+        self._requests: dict[str, Request] = {}
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: list[Request] = []
+        self._seq = itertools.count()
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._progress = asyncio.Event()  # set after every step and every finish (pause "wait" watches it)
+        self._task: asyncio.Task | None = None
+        self._paused: str | None = None
+        self._pause_seq = 0  # "wait": only requests that arrived before this run
+        self._cache_epoch = 0
+        self._num_updates = 0
+        self._counters = collections.Counter()
+
+    # ----- construction and lifecycle -----
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, config: EngineConfig | None = None,
+                        dtype: torch.dtype = torch.float32) -> Engine:
+        """Load a Hugging Face checkpoint folder (and its tokenizer, if it has one)."""
+        from miles_async.models import load_pretrained
+        from miles_async.models.tokenizer import load_tokenizer
+
+        model = compute.run_sync(load_pretrained, path, dtype=dtype)
+        # Without tokenizer.json the engine takes token ids only; text requests get a 400.
+        tokenizer = load_tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
+        return cls(model, tokenizer=tokenizer, config=config, model_path=str(path))
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="engine-loop")
+
+    async def stop(self) -> None:
+        """Abort every request and stop the loop."""
+        if self._task is None:
+            return
+        async with self._lock:
+            for request in list(self._requests.values()):
+                self._finish(request, {"type": "abort", "message": "the engine is shutting down"})
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise
+        self._task = None
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    # ----- requests -----
+
+    def submit(self, request: GenerateRequest) -> Request:
+        """Queue a request and return its state (await `.done`, or pass it to `stream`/`snapshot`).
+
+        Raises ValueError if the request is malformed, EngineOverloadedError if the queue is full.
+        """
+        if self._task is None:
+            raise RuntimeError("the engine is not started: use `async with engine:` or `await engine.start()`")
+        ids = request.input_ids
+        params = request.sampling_params
+        self._check_request(request)
+        if len(self._waiting) >= self.config.max_waiting_requests:
+            raise EngineOverloadedError(f"{len(self._waiting)} requests are waiting (max_waiting_requests); "
+                                        "retry later")
+        rid = request.rid or uuid.uuid4().hex
+        if rid in self._requests:
+            raise ValueError(f"rid {rid!r} is already in flight; give each request its own rid")
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self._eos_ids)
+        state = Request(
+            rid=rid, seq=next(self._seq), prompt_ids=list(ids), params=params,
+            return_logprob=request.return_logprob, return_routed_experts=request.return_routed_experts,
+            generator=None if params.sampling_seed is None else make_generator(params.sampling_seed),
+            stop_token_ids=frozenset(stop_ids))
+        self._requests[rid] = state
+        if params.max_new_tokens == 0:
+            self._finish(state, {"type": "length", "length": 0})
+            return state
+        self._waiting.append(state)
+        self._wake.set()
+        return state
+
+    def _check_request(self, request: GenerateRequest) -> None:
+        ids, params = request.input_ids, request.sampling_params
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one input id (or non-empty text)")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
+            raise ValueError(f"input_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})")
+        params.check(self.vocab_size)
+        if len(ids) + params.max_new_tokens > self.max_seq_len:
+            raise ValueError(f"the prompt ({len(ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds "
+                             f"the context length of {self.max_seq_len} tokens; shorten the prompt or lower "
+                             "max_new_tokens")
+        if request.return_routed_experts and not self.is_moe:
+            raise ValueError("return_routed_experts needs a mixture-of-experts model; this one is dense")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("sampling_params.stop needs a tokenizer; this engine has none (use stop_token_ids)")
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """Submit and wait for the final output; cancelling the wait aborts the request."""
+        state = self.submit(request)
+        try:
+            await state.done.wait()
+        except asyncio.CancelledError:
+            await asyncio.shield(self.abort(state.rid))
+            raise
+        return self.snapshot(state)
+
+    async def stream(self, state: Request) -> AsyncIterator[GenerateOutput]:
+        """Yield a snapshot after every step that changed the request, the last one final."""
+        while True:
+            await state.updated.wait()
+            state.updated.clear()
+            yield self.snapshot(state)
+            if state.phase is Phase.FINISHED:
+                return
+
+    def snapshot(self, state: Request) -> GenerateOutput:
+        finished = state.phase is Phase.FINISHED
+        text = state.final_text if finished else output_text(state, self.tokenizer)
+        return GenerateOutput(
+            rid=state.rid, output_ids=list(state.output_ids), text=text, finish_reason=state.finish_reason,
+            prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.output_ids),
+            cached_tokens=state.cached_tokens, weight_version=self.weight_version,
+            output_token_logprobs=list(state.output_logprobs) if state.return_logprob else None,
+            routed_experts_TLk=state.routed_experts_TLk if finished else None,
+            e2e_latency_s=(state.finished_s if finished else time.perf_counter()) - state.created_s)
+
+    # ----- control -----
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> int:
+        """Abort one request (or all); return how many were aborted (0: unknown or finished)."""
+        async with self._lock:
+            targets = list(self._requests.values()) if abort_all else (
+                [self._requests[rid]] if rid in self._requests else [])
+            for request in targets:
+                self._finish(request, {"type": "abort", "message": f"request {request.rid} was aborted"})
+            return len(targets)
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Pause generation (SGLang's modes, plus "wait"); requests submitted meanwhile queue.
+
+        abort: abort everything in flight. in_place: keep running requests and their KV as they
+        are. retract: move running requests back to the queue, their KV to the prefix cache (it
+        can be flushed; they are recomputed on continue). wait: finish what was submitted
+        before this call (returns when it has), admit nothing newer.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        async with self._lock:
+            self._paused = mode
+            if mode == "abort":
+                for request in list(self._requests.values()):
+                    self._finish(request, {"type": "abort", "message": "generation was paused (mode abort)"})
+            elif mode == "retract":
+                for request in reversed(list(self._running)):
+                    self._retract(request)
+            elif mode == "wait":
+                self._pause_seq = next(self._seq)
+        while mode == "wait" and self._paused == "wait" and any(
+                r.seq < self._pause_seq for r in self._requests.values()):
+            self._progress.clear()
+            await self._progress.wait()
+
+    async def resume(self) -> None:
+        """SGLang's continue_generation."""
+        async with self._lock:
+            self._paused = None
+            self._wake.set()
+
+    async def flush_cache(self) -> int:
+        """Drop every cached prefix; return the blocks freed (blocks in use stay with their requests)."""
+        async with self._lock:
+            return self.cache.tree.flush()
+
+    async def update_weights_from_tensors(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[
+            tuple[str, torch.Tensor]], weight_version: str | None = None) -> str:
+        """Copy tensors into the model's parameters in place (between steps); return the new version.
+
+        Every name and shape is checked before anything is written. The prefix cache is flushed
+        (its KV came from the old weights); running requests continue on their existing KV.
+        """
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        state = self.model.state_dict(keep_vars=True)
+        for name, tensor in items:
+            if name not in state:
+                raise ValueError(f"weight {name!r} is not in the model (it has e.g. {', '.join(list(state)[:4])})")
+            if tuple(tensor.shape) != tuple(state[name].shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model's is "
+                                 f"{tuple(state[name].shape)}")
+        async with self._lock:
+            await compute.run(_copy_into, state, items)
+            return self._bump_version(weight_version)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> str:
+        """Load a checkpoint folder (off the loop, while generation goes on), then copy it in."""
+        from miles_async.models import load_pretrained
+
+        dtype = next(self.model.parameters()).dtype
+        new_model = await compute.run(load_pretrained, model_path, dtype=dtype)
+        version = await self.update_weights_from_tensors(new_model.state_dict(), weight_version)
+        self.model_path = str(model_path)
+        return version
+
+    def _bump_version(self, weight_version: str | None) -> str:
+        self._num_updates += 1
+        self.weight_version = weight_version if weight_version is not None else str(self._num_updates)
+        self.cache.tree.flush()
+        self._cache_epoch += 1
+        return self.weight_version
+
+    def stats(self) -> EngineStats:
+        prompt, cached = self._counters["prompt_tokens"], self._counters["cached_tokens"]
+        return EngineStats(
+            num_running=len(self._running), num_waiting=len(self._waiting), num_steps=self._counters["steps"],
+            num_generated_tokens=self._counters["generated_tokens"], num_prompt_tokens=prompt,
+            num_cached_prompt_tokens=cached, prefix_cache_hit_rate=cached / prompt if prompt else 0.0,
+            num_retractions=self._counters["retractions"], num_free_blocks=self.cache.num_free,
+            num_cached_blocks=len(self.cache.tree), num_blocks=self.cache.num_blocks,
+            weight_version=self.weight_version, paused=self._paused)
+
+    # ----- the loop -----
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            async with self._lock:
+                step = None
+                try:
+                    step = self._schedule()
+                    if step is None:
+                        self._wake.clear()
+                        continue
+                    tokens, logprobs = await compute.run(self._execute, step)
+                    self._apply(step, tokens, logprobs)
+                except Exception as e:  # the loop's boundary: fail the step's requests, keep serving
+                    log.exception("engine step failed")
+                    for request in step.requests if step is not None else list(self._running):
+                        self._finish(request, {"type": "abort", "message": f"engine step failed: {e!r}"})
+            await asyncio.sleep(0)  # let HTTP handlers and control calls in between steps
+
+    def _schedulable(self, request: Request) -> bool:
+        if self._paused is None:
+            return True
+        return self._paused == "wait" and request.seq < self._pause_seq
+
+    def _schedule(self) -> _Step | None:
+        if self._paused not in (None, "wait"):
+            return None
+        budget = self.config.max_prefill_tokens
+        chosen: list[tuple[Request, int]] = []
+        for request in list(self._running):
+            if request.phase is not Phase.RUNNING or not self._schedulable(request):
+                continue  # retracted earlier in this loop
+            pending = request.num_tokens - request.num_computed
+            count = 1 if pending == 1 else min(pending, budget)
+            if count == 0:
+                continue
+            if self._grow(request, request.num_computed + count):
+                chosen.append((request, count))
+                budget -= count if pending > 1 else 0
+        while self._waiting and budget > 0 and len(self._running) < self.config.max_running_requests:
+            request = self._waiting[0]
+            if not self._schedulable(request) or not self._admit(request):
+                break
+            self._waiting.popleft()
+            count = min(request.num_tokens - request.num_computed, budget)
+            budget -= count
+            chosen.append((request, count))
+        if not chosen:
+            return None
+        chunks = [ScheduledChunk(r.blocks, r.num_computed, n) for r, n in chosen]
+        ids: list[int] = []
+        for request, count in chosen:
+            ids.extend(request.all_ids[request.num_computed:request.num_computed + count])
+        return _Step(requests=[r for r, _ in chosen], chunks=chunks,
+                     sampled=[r.num_computed + n == r.num_tokens for r, n in chosen], input_ids=ids)
+
+    def _grow(self, request: Request, num_tokens: int) -> bool:
+        """Give a running request blocks for num_tokens, retracting newer requests if memory is short.
+
+        Returns False when the request itself had to be retracted (it was the newest).
+        """
+        need = self.cache.blocks_for(num_tokens) - len(request.blocks)
+        while need > 0:
+            try:
+                request.blocks.extend(self.cache.allocate(need))
+                return True
+            except OutOfBlocksError:
+                victim = self._running[-1]
+                self._retract(victim)
+                if victim is request:
+                    return False
+        return True
+
+    def _admit(self, request: Request) -> bool:
+        """Match the prefix cache and allocate the rest of the request's known tokens; False if no room."""
+        tokens = request.all_ids
+        cached = self.cache.tree.match(tokens, max_tokens=len(tokens) - 1)
+        self.cache.retain(cached)
+        need = self.cache.blocks_for(len(tokens)) - len(cached)
+        # Keep a little headroom while others run, so that admitting does not force a retraction next step.
+        headroom = max(1, self.cache.num_blocks // 100) if self._running else 0
+        if not self.cache.can_allocate(need + headroom):
+            self.cache.release(cached)
+            return False
+        try:
+            fresh = self.cache.allocate(need)
+        except OutOfBlocksError:
+            self.cache.release(cached)
+            return False
+        request.blocks = cached + fresh
+        request.num_computed = len(cached) * self.cache.block_size
+        request.cache_epoch = self._cache_epoch
+        request.phase = Phase.RUNNING
+        request.prefilling = True
+        if not request.admitted_once:
+            request.admitted_once = True
+            request.cached_tokens = request.num_computed
+            self._counters["prompt_tokens"] += len(request.prompt_ids)
+            self._counters["cached_tokens"] += request.num_computed
+        self._running.append(request)
+        return True
+
+    def _retract(self, request: Request) -> None:
+        """Back to the head of the queue; its KV goes to the prefix cache, its blocks are released."""
+        self._release_kv(request)
+        self._running.remove(request)
+        request.phase = Phase.WAITING
+        request.num_retractions += 1
+        self._counters["retractions"] += 1
+        self._waiting.appendleft(request)
+        self._wake.set()
+
+    def _release_kv(self, request: Request) -> None:
+        if request.cache_epoch == self._cache_epoch and request.num_computed:
+            self.cache.tree.insert(request.all_ids, request.blocks, request.num_computed)
+        self.cache.release(request.blocks)
+        request.blocks = []
+        request.num_computed = 0
+
+    def _execute(self, step: _Step) -> tuple[list[int], list[float]]:
+        """On the compute thread: index tensors, the forward over the packed row, then sampling."""
+        with torch.inference_mode():
+            plan = build_plan(step.chunks, self.cache.block_size)
+            rows = [i for i, s in enumerate(step.sampled) if s]
+            logits_RV, experts_L1Tk = self._forward(torch.tensor([step.input_ids], dtype=torch.long), plan,
+                                                    plan.last_index_R[rows])
+            if experts_L1Tk is not None:
+                self.cache.enable_expert_capture(experts_L1Tk.shape[0], experts_L1Tk.shape[-1])
+                self.cache.expert_slots_TLk[plan.write_slots_T] = experts_L1Tk[:, 0].transpose(0, 1).to(torch.int32)
+            if not rows:
+                return [], []
+            picked = [step.requests[i] for i in rows]
+            tokens_R, logprobs_R = sample(logits_RV, [r.params for r in picked], [r.generator for r in picked],
+                                          self._shared_generator)
+            return tokens_R.tolist(), logprobs_R.tolist()
+
+    def _forward(self, input_ids_1T: torch.Tensor, plan: StepPlan,
+                 rows_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of the packed rows `rows_R` only, and the routed experts of every token (MoE).
+
+        CausalLM exposes its backbone (`model.model`, final hidden states) for exactly this: a
+        prefill chunk needs the vocabulary projection of its last token only, not of all of them.
+        Any other model with the spec'd forward gets the full logits, then the rows.
+        """
+        attn = PagedAttention(self.cache, plan, self._workspace)
+        positions_1T = plan.positions_T[None]
+        backbone, lm_head = getattr(self.model, "model", None), getattr(self.model, "lm_head", None)
+        if backbone is not None and lm_head is not None:
+            h_1TD, used = backbone(input_ids_1T, positions_1T, attn, None)
+            return lm_head(h_1TD[0, rows_R]), (torch.stack(used) if used else None)
+        out = self.model(input_ids_1T, positions_1T, attn=attn, return_routed_experts=self.is_moe)
+        logits_1TV, experts_L1Tk = out if isinstance(out, tuple) else (out, None)
+        return logits_1TV[0, rows_R], experts_L1Tk
+
+    def _apply(self, step: _Step, tokens: list[int], logprobs: list[float]) -> None:
+        self._counters["steps"] += 1
+        picked = iter(zip(tokens, logprobs))
+        for request, chunk, sampled in zip(step.requests, step.chunks, step.sampled):
+            assert request.phase is Phase.RUNNING, "requests change phase only under the engine lock"
+            request.num_computed += chunk.num_tokens
+            if not sampled:
+                continue
+            token, logprob = next(picked)
+            if request.prefilling:
+                # The prompt (or a re-prefill after retraction) is complete: share its full blocks now.
+                request.prefilling = False
+                if request.cache_epoch == self._cache_epoch:
+                    self.cache.tree.insert(request.all_ids, request.blocks, request.num_computed)
+            request.output_ids.append(token)
+            request.output_logprobs.append(logprob)
+            self._counters["generated_tokens"] += 1
+            reason = stop_reason(request, token, self.tokenizer)
+            if reason is not None:
+                self._finish(request, reason)
+            else:
+                request.updated.set()
+        self._progress.set()
+
+    def _finish(self, request: Request, reason: dict[str, Any]) -> None:
+        if request.phase is Phase.FINISHED:
+            return
+        if request.phase is Phase.RUNNING:
+            if request.return_routed_experts:
+                request.routed_experts_TLk = self._routed_experts(request)
+            self._release_kv(request)
+            self._running.remove(request)
+        elif request in self._waiting:
+            self._waiting.remove(request)
+        request.phase = Phase.FINISHED
+        request.finish_reason = reason
+        request.final_text = output_text(request, self.tokenizer)
+        request.finished_s = time.perf_counter()
+        del self._requests[request.rid]
+        request.updated.set()
+        request.done.set()
+        self._progress.set()
+
+    def _routed_experts(self, request: Request) -> torch.Tensor | None:
+        """Experts of every token with KV (prompt + output - 1 rows), read from the slots they were written to."""
+        slots_cache = self.cache.expert_slots_TLk
+        if slots_cache is None or request.num_computed == 0:
+            return None
+        size = self.cache.block_size
+        slots = [request.blocks[p // size] * size + p % size for p in range(request.num_computed)]
+        return compute.serial_index_select(slots_cache, torch.tensor(slots, dtype=torch.long))

@@ -1,0 +1,471 @@
+"""The embedded engine through its HTTP API (SGLang's), with the real `EngineClient`.
+
+Each test serves a real tiny model (miles_async.models, written by init_model) from an aiohttp
+server on 127.0.0.1, port 0, in the test's own event loop; the last test runs the real CLI,
+`miles-async serve engine`, as a subprocess. References come from the same model's plain full
+forward (no cache of any kind).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import signal
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from miles_async.engine.client import EngineClient, EngineHTTPError, decode_routed_experts
+from miles_async.engine.core import Engine, EngineConfig
+from miles_async.engine.server import EngineServer
+from miles_async.models import init_model, load_pretrained, load_tokenizer
+
+TIMEOUT_S = 60
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+def lively_model(family: str, out_dir, seed: int):
+    """init_model's tiny model with its matrices redrawn at std 0.3: at the init std (0.02) a
+    tiny model's greedy output repeats one token, which would make every comparison trivial."""
+    folder = init_model(family, "tiny", out_dir, seed=seed)
+    model = load_pretrained(folder)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        tensors[name] = torch.randn(tensor.shape, generator=generator) * 0.3 if tensor.dim() == 2 else tensor
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return lively_model("qwen3", tmp_path_factory.mktemp("qwen3"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load_pretrained(model_dir)
+
+
+@contextlib.asynccontextmanager
+async def served(model_dir, **config):
+    engine = Engine.from_pretrained(str(model_dir), config=EngineConfig(**{"kv_cache_mib": 8, **config}))
+    async with EngineServer(engine) as server, EngineClient(server.url, timeout_s=TIMEOUT_S) as client:
+        yield client
+
+
+def greedy_loop(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """The plain greedy loop: a full forward over the whole sequence for every new token."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(num_tokens):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def greedy_under_full_forward(model, prompt: list[int], output: list[int]) -> list[int]:
+    """What a greedy loop would have picked at each step, given the previous output tokens.
+
+    One forward over prompt + output, teacher-forced: it equals the greedy loop's output exactly
+    when `output` is greedy, at the cost of one forward instead of one per token.
+    """
+    with torch.inference_mode():
+        logits_TV = model(torch.tensor([prompt + output[:-1]]))[0]
+    return logits_TV[len(prompt) - 1:].argmax(dim=-1).tolist()
+
+
+def log_probs_of(model, prompt: list[int], output: list[int]) -> list[float]:
+    with torch.inference_mode():
+        logp_TV = torch.log_softmax(model(torch.tensor([prompt + output]))[0], dim=-1)
+    return [float(logp_TV[len(prompt) - 1 + i, t]) for i, t in enumerate(output)]
+
+
+def prompts(count: int, start_len: int = 6, step: int = 5, vocab: int = 500) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randint(3, vocab, (start_len + step * i,), generator=gen).tolist() for i in range(count)]
+
+
+async def generated_tokens(client: EngineClient) -> int:
+    return (await client.server_info())["internal_states"][0]["num_generated_tokens"]
+
+
+def test_greedy_equals_a_full_forward_greedy_loop(model_dir, model):
+    batch = prompts(6)
+
+    async def scenario():
+        async with served(model_dir) as client:
+            singles = await asyncio.gather(*(client.generate(
+                input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 16}) for p in batch))
+            together = await client.generate(input_ids=batch[:3], sampling_params={**GREEDY, "max_new_tokens": 16})
+            return singles, together
+
+    singles, together = run(scenario())
+    for prompt, out in zip(batch, singles):
+        assert out["output_ids"] == greedy_loop(model, prompt, 16)
+        meta = out["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": 16}
+        assert (meta["prompt_tokens"], meta["completion_tokens"], meta["weight_version"]) == (len(prompt), 16, "0")
+    assert [o["output_ids"] for o in together] == [o["output_ids"] for o in singles[:3]]
+
+
+def test_text_in_text_out_and_model_info(model_dir):
+    tokenizer = load_tokenizer(model_dir)
+
+    async def scenario():
+        async with served(model_dir) as client:
+            info = await client.model_info()
+            out = await client.generate(text="def add(a, b):", sampling_params={**GREEDY, "max_new_tokens": 12})
+            return info, out
+
+    info, out = run(scenario())
+    assert info["is_generation"] and info["weight_version"] == "0" and info["model_path"] == str(model_dir)
+    assert out["meta_info"]["prompt_tokens"] == len(tokenizer.encode("def add(a, b):"))
+    assert out["text"] == tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+
+
+def test_sampling_is_reproducible_with_a_seed_and_top_k_1_is_greedy(model_dir, model):
+    prompt = prompts(1, start_len=10)[0]
+    seeded = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "max_new_tokens": 20, "ignore_eos": True}
+
+    async def scenario():
+        async with served(model_dir) as client:
+            # Other traffic shares the batch with the seeded requests: the seed must not care.
+            noise = [client.generate(input_ids=p, sampling_params={"max_new_tokens": 20}) for p in prompts(4)]
+            runs = await asyncio.gather(
+                client.generate(input_ids=prompt, sampling_params={**seeded, "sampling_seed": 7}),
+                client.generate(input_ids=prompt, sampling_params={**seeded, "sampling_seed": 7}),
+                client.generate(input_ids=prompt, sampling_params={**seeded, "sampling_seed": 8}),
+                client.generate(input_ids=prompt, sampling_params={"top_k": 1, "max_new_tokens": 20, "ignore_eos": True}),
+                *noise)
+            later = await client.generate(input_ids=prompt, sampling_params={**seeded, "sampling_seed": 7})
+            return runs, later
+
+    (first, second, other_seed, top1, *_), later = run(scenario())
+    assert first["output_ids"] == second["output_ids"] == later["output_ids"]
+    assert other_seed["output_ids"] != first["output_ids"]
+    assert top1["output_ids"] == greedy_under_full_forward(model, prompt, top1["output_ids"])
+
+
+def test_logprobs_are_the_models_log_softmax(model_dir, model):
+    prompt = prompts(1, start_len=12)[0]
+
+    async def scenario():
+        async with served(model_dir) as client:
+            return await asyncio.gather(
+                client.generate(input_ids=prompt, return_logprob=True,
+                                sampling_params={"temperature": 1.0, "sampling_seed": 3, "max_new_tokens": 12,
+                                                 "ignore_eos": True}),
+                client.generate(input_ids=prompt, return_logprob=True, sampling_params={**GREEDY, "max_new_tokens": 12}))
+
+    for out in run(scenario()):
+        triples = out["meta_info"]["output_token_logprobs"]
+        assert [t[1] for t in triples] == out["output_ids"] and all(t[2] is None for t in triples)
+        expected = log_probs_of(model, prompt, out["output_ids"])
+        assert [t[0] for t in triples] == pytest.approx(expected, abs=1e-4)
+
+
+def test_stop_strings_and_stop_tokens(model_dir):
+    tokenizer = load_tokenizer(model_dir)
+    prompt = prompts(1, start_len=8)[0]
+
+    async def scenario():
+        async with served(model_dir) as client:
+            free = await client.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 24})
+            ids, text = free["output_ids"], free["text"]
+            stop_token = ids[5]
+            stop_text = text[len(text) // 2:len(text) // 2 + 3]
+            by_token = await client.generate(input_ids=prompt, sampling_params={
+                **GREEDY, "max_new_tokens": 24, "stop_token_ids": [stop_token]})
+            by_text = await client.generate(input_ids=prompt, sampling_params={
+                **GREEDY, "max_new_tokens": 24, "stop": [stop_text, "\x00never"]})
+            return ids, text, stop_token, stop_text, by_token, by_text
+
+    ids, text, stop_token, stop_text, by_token, by_text = run(scenario())
+    assert by_token["output_ids"] == ids[:ids.index(stop_token) + 1]
+    assert by_token["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_token}
+    assert by_text["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_text}
+    assert by_text["text"] == text[:text.index(stop_text)]
+    assert stop_text in tokenizer.decode(by_text["output_ids"], skip_special_tokens=True)
+    assert len(by_text["output_ids"]) < len(ids)
+
+
+def test_streaming_sends_cumulative_outputs_then_done(model_dir):
+    prompt = prompts(1)[0]
+
+    async def scenario():
+        async with served(model_dir) as client:
+            chunks = [c async for c in client.generate_stream(
+                input_ids=prompt, return_logprob=True, sampling_params={**GREEDY, "max_new_tokens": 8})]
+            whole = await client.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 8})
+            return chunks, whole
+
+    chunks, whole = run(scenario())
+    assert len(chunks) >= 2
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    assert chunks[-1]["output_ids"] == whole["output_ids"]
+    for before, after in itertools.pairwise(chunks):
+        assert after["output_ids"][:len(before["output_ids"])] == before["output_ids"]
+    assert len(chunks[-1]["meta_info"]["output_token_logprobs"]) == 8
+
+
+def test_abort_a_request_and_keep_serving(model_dir):
+    async def scenario():
+        async with served(model_dir) as client:
+            stream = client.generate_stream(input_ids=prompts(1)[0], rid="long",
+                                            sampling_params={**GREEDY, "max_new_tokens": 3000})
+            chunks = [await anext(stream)]
+            await client.abort("long")
+            chunks += [c async for c in stream]
+            after = await client.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 2})
+            return chunks[-1], after
+
+    last, after = run(scenario())
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < last["meta_info"]["completion_tokens"] < 3000
+    assert after["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_pause_keeps_requests_and_continue_finishes_them_unchanged(model_dir, model, mode):
+    prompt = prompts(1, start_len=20)[0]
+
+    async def scenario():
+        async with served(model_dir) as client:
+            stream = client.generate_stream(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 160})
+            await anext(stream)
+            await client.pause(mode)
+            state = (await client.server_info())["internal_states"][0]
+            before = await generated_tokens(client)
+            await asyncio.sleep(0.2)  # a window in which nothing may be generated
+            idle = await generated_tokens(client) == before
+            await client.resume()
+            last = [c async for c in stream][-1]
+            return state, idle, last
+
+    state, idle, last = run(scenario())
+    assert idle and state["paused"] == mode
+    # in_place keeps the request running on its KV; retract sends it back to the queue.
+    assert (state["num_running"], state["num_waiting"]) == ((1, 0) if mode == "in_place" else (0, 1))
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 160}
+    assert last["output_ids"] == greedy_under_full_forward(model, prompt, last["output_ids"])
+
+
+def test_a_client_that_goes_away_aborts_its_request(model_dir):
+    async def scenario():
+        async with served(model_dir) as client:
+            impatient = aiohttp.ClientTimeout(total=0.3)
+            async with aiohttp.ClientSession(timeout=impatient) as http:
+                with pytest.raises(asyncio.TimeoutError):
+                    await http.post(client.base_url + "/generate", json={
+                        "input_ids": [1, 2, 3], "sampling_params": {**GREEDY, "max_new_tokens": 3500}})
+            while (state := (await client.server_info())["internal_states"][0])["num_running"]:
+                await asyncio.sleep(0.01)
+            return state
+
+    state = run(scenario())
+    assert state["num_generated_tokens"] < 3500
+
+
+def test_pause_abort_aborts_in_flight_and_holds_new_requests_until_continue(model_dir):
+    async def scenario():
+        async with served(model_dir) as client:
+            stream = client.generate_stream(input_ids=prompts(1)[0], sampling_params={**GREEDY, "max_new_tokens": 3000})
+            await anext(stream)
+            await client.pause("abort")
+            aborted = [c async for c in stream][-1]
+            held = asyncio.create_task(client.generate(input_ids=[9, 9, 9],
+                                                       sampling_params={**GREEDY, "max_new_tokens": 4}))
+            while (await client.server_info())["internal_states"][0]["num_waiting"] == 0:
+                await asyncio.sleep(0.01)
+            assert not held.done()
+            await client.resume()
+            return aborted, await held
+
+    aborted, held = run(scenario())
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+    assert held["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+
+
+def test_pause_wait_lets_in_flight_requests_finish_first(model_dir):
+    async def scenario():
+        async with served(model_dir) as client:
+            in_flight = asyncio.create_task(client.generate(
+                input_ids=prompts(1)[0], sampling_params={**GREEDY, "max_new_tokens": 200}))
+            while (await client.server_info())["internal_states"][0]["num_running"] == 0:
+                await asyncio.sleep(0.01)
+            await client.pause("wait")  # returns once the request in flight is done
+            assert (await client.server_info())["internal_states"][0]["num_running"] == 0
+            late = asyncio.create_task(client.generate(input_ids=[4, 4], sampling_params={**GREEDY, "max_new_tokens": 3}))
+            while (await client.server_info())["internal_states"][0]["num_waiting"] == 0:
+                await asyncio.sleep(0.01)
+            await client.resume()
+            return await in_flight, await late
+
+    done, late = run(scenario())
+    assert done["meta_info"]["finish_reason"] == {"type": "length", "length": 200}
+    assert late["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+
+
+def test_weight_update_from_disk_changes_outputs_and_bumps_the_version(model_dir, tmp_path):
+    new_dir = lively_model("qwen3", tmp_path / "new", seed=1)
+    new_model = load_pretrained(new_dir)
+    prompt = prompts(1, start_len=20)[0]
+    params = {**GREEDY, "max_new_tokens": 10}
+
+    async def scenario():
+        async with served(model_dir) as client:
+            before = await client.generate(input_ids=prompt, sampling_params=params)
+            with pytest.raises(EngineHTTPError) as missing:
+                await client.update_weights_from_disk(str(tmp_path / "nowhere"))
+            reply = await client.update_weights_from_disk(str(new_dir))
+            after = await client.generate(input_ids=prompt, sampling_params=params)
+            info = await client.model_info()
+            named = await client.update_weights_from_disk(str(new_dir), weight_version="step-7")
+            return before, missing.value, reply, after, info, named
+
+    before, missing, reply, after, info, named = run(scenario())
+    assert missing.status == 400 and "nowhere" in missing.message
+    assert reply["success"] and info["weight_version"] == "1" and named["weight_version"] == "step-7"
+    assert before["meta_info"]["weight_version"] == "0" and after["meta_info"]["weight_version"] == "1"
+    assert after["meta_info"]["cached_tokens"] == 0  # the old weights' prefix cache is gone
+    assert after["output_ids"] == greedy_loop(new_model, prompt, 10) != before["output_ids"]
+
+
+def test_prefix_cache_hits_and_flush(model_dir):
+    system = prompts(1, start_len=40)[0]
+
+    async def scenario():
+        async with served(model_dir, block_size=8) as client:
+            params = {**GREEDY, "max_new_tokens": 4}
+            first = await client.generate(input_ids=system + [7], sampling_params={**GREEDY, "max_new_tokens": 12})
+            second = await client.generate(input_ids=system + [8, 9], sampling_params=params)
+            turn = await client.generate(input_ids=system + [7] + first["output_ids"] + [11], sampling_params=params)
+            await client.flush_cache()
+            flushed = await client.generate(input_ids=system + [8, 9], sampling_params=params)
+            stats = (await client.server_info())["internal_states"][0]
+            return first, second, turn, flushed, stats
+
+    first, second, turn, flushed, stats = run(scenario())
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert second["meta_info"]["cached_tokens"] == 40  # the 5 full blocks of the shared system prompt
+    # The previous turn had KV for 41 prompt + 11 output tokens (not the last one): 6 full blocks.
+    assert turn["meta_info"]["cached_tokens"] == 48
+    assert flushed["meta_info"]["cached_tokens"] == 0
+    assert flushed["output_ids"] == second["output_ids"]
+    assert 0 < stats["prefix_cache_hit_rate"] < 1
+
+
+def test_requests_beyond_kv_capacity_queue_and_all_complete(model_dir, model):
+    batch = prompts(16, start_len=10, step=3)
+
+    async def scenario():
+        # 48 blocks of 4 tokens (2 KiB each): two or three requests at a time; the rest must wait.
+        async with served(model_dir, kv_cache_mib=0.094, block_size=4, max_seq_len=128) as client:
+            outs = await asyncio.gather(*(client.generate(
+                input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 30}) for p in batch))
+            return outs, (await client.server_info())["internal_states"][0]
+
+    outs, stats = run(scenario())
+    for prompt, out in zip(batch, outs):
+        assert out["output_ids"] == greedy_under_full_forward(model, prompt, out["output_ids"])
+    assert stats["num_blocks"] == 48 and stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_retractions"] > 0
+
+
+BAD_REQUESTS = [
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "JSON object"),
+    (json.dumps({"sampling_params": {}}).encode(), "exactly one of text and input_ids"),
+    (json.dumps({"input_ids": "1 2 3"}).encode(), "input_ids"),
+    (json.dumps({"input_ids": [1, 2.5]}).encode(), "input_ids"),
+    (json.dumps({"input_ids": [1, 99999]}).encode(), "vocabulary"),
+    (json.dumps({"input_ids": []}).encode(), "empty"),
+    (json.dumps({"input_ids": [1] * 5000}).encode(), "context length"),
+    (json.dumps({"input_ids": [1], "sampling_params": {"temperature": "hot"}}).encode(), "temperature"),
+    (json.dumps({"input_ids": [1], "sampling_params": {"top_p": 1.5}}).encode(), "top_p"),
+    (json.dumps({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}).encode(), "max_new_tokens"),
+    (json.dumps({"input_ids": [1], "sampling_params": {"presence_penalty": 1.0}}).encode(), "presence_penalty"),
+    (json.dumps({"input_ids": [1], "sampling_params": [{}]}).encode(), "sampling_params"),
+    (json.dumps({"input_ids": [1], "stream": "yes"}).encode(), "stream"),
+    (json.dumps({"input_ids": [1], "return_routed_experts": True}).encode(), "mixture-of-experts"),
+    (json.dumps({"input_ids": [1], "image_data": "cat.png"}).encode(), "image_data"),
+]
+
+
+def test_bad_requests_get_400_naming_the_problem_and_the_server_keeps_serving(model_dir):
+    async def scenario():
+        async with served(model_dir) as client:
+            answers = []
+            async with aiohttp.ClientSession() as http:
+                for body, _ in BAD_REQUESTS:
+                    async with http.post(client.base_url + "/generate", data=body) as response:
+                        answers.append((response.status, (await response.json())["error"]["message"]))
+                for path, body in (("/pause_generation", {"mode": "sleep"}), ("/abort_request", {}),
+                                   ("/update_weights_from_disk", {"model_path": 3})):
+                    async with http.post(client.base_url + path, json=body) as response:
+                        answers.append((response.status, await response.text()))
+            ok = await client.generate(input_ids=[1, 2, 3], sampling_params={**GREEDY, "max_new_tokens": 2})
+            return answers, ok
+
+    answers, ok = run(scenario())
+    for (status, message), (_, expected) in zip(answers, BAD_REQUESTS):
+        assert status == 400 and expected in message, (expected, status, message)
+    assert [status for status, _ in answers[len(BAD_REQUESTS):]] == [400, 400, 400]
+    assert "mode 'sleep'" in answers[len(BAD_REQUESTS)][1]
+    assert ok["meta_info"]["completion_tokens"] == 2
+
+
+def test_routed_experts_over_http_match_the_models_routing(tmp_path):
+    moe_dir = lively_model("qwen3_moe", tmp_path / "moe", seed=0)
+    moe = load_pretrained(moe_dir)
+    prompt = prompts(1, start_len=9)[0]
+
+    async def scenario():
+        async with served(moe_dir) as client:
+            return await client.generate(input_ids=prompt, return_routed_experts=True,
+                                         sampling_params={**GREEDY, "max_new_tokens": 5})
+
+    out = run(scenario())
+    num_layers, top_k = len(moe.config.moe_layer_indices), moe.config.num_experts_per_tok
+    experts_TLk = decode_routed_experts(out["meta_info"]["routed_experts"], num_layers, top_k)
+    ids = prompt + out["output_ids"]
+    with torch.inference_mode():
+        _, expected_L1Tk = moe(torch.tensor([ids[:-1]]), return_routed_experts=True)
+    assert experts_TLk.shape == (len(ids) - 1, num_layers, top_k)
+    assert torch.equal(experts_TLk.sort(-1).values, expected_L1Tk[:, 0].transpose(0, 1).sort(-1).values.int())
+
+
+def test_cli_serve_engine_serves_until_sigterm(model_dir):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "miles_async.launch.cli", "serve", "engine", "--model", str(model_dir), "--port", "0",
+         "--kv-cache-mib", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()  # printed once listening
+        assert "serving" in line, process.stderr.read() if process.poll() is not None else line
+        url = line.rsplit(" on ", 1)[1].strip()
+
+        async def scenario():
+            async with EngineClient(url, timeout_s=30) as client:
+                await client.wait_healthy(timeout_s=30)
+                return await client.generate(text="hello", sampling_params={**GREEDY, "max_new_tokens": 3})
+
+        assert run(scenario())["meta_info"]["completion_tokens"] == 3
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
