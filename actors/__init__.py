@@ -1,6 +1,7 @@
 """The RL roles as actors (installed as `miles_async.actors`).
 
-This folder will hold the rollout worker, the refill scheduler, the buffer, the trainer rank, the
+This folder holds the rollout worker, the refill scheduler, the buffer, the trainer rank, the
 weight pusher, the evaluator, the router and the controller that wires them together (DESIGN.md,
-"The RL loop"). None of them is written yet.
+"The RL loop"). Written so far: `trainer.TrainerRank` (one FSDP2 rank per process) and
+`trainer.TrainerGroup` (spawns and addresses the ranks of one process group).
 """

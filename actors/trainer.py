@@ -1,0 +1,232 @@
+"""`TrainerRank`: one trainer rank as an actor, in its own process, joined to its peers by torch.distributed.
+
+    Batch (global) ──TrainStep──► TrainerRank 0..N-1 ──► StepMetrics (new weight version)
+                                        │ ExportWeights
+                                        ▼
+                       <weights_dir>/v<version>/bucket_<i>.safetensors ──► weight pusher
+
+Consumes: `TrainStep` (the whole global batch, sent to every rank: each keeps its share),
+`ExportWeights`, `SaveCheckpoint`, `LoadCheckpoint`. Every one of them is a collective, so the
+caller sends it to all ranks (`TrainerGroup` does) and each rank's reply is the same.
+Produces: metrics and a weight version per step; full weights as safetensors files.
+
+Why files for the weights: tensors never ride in messages, and gathering a full tensor from
+FSDP2 shards is a collective every rank must join, so `ExportWeights` gathers the parameters one
+at a time on every rank and rank 0 writes them bucket by bucket (at most one bucket of full tensors
+held at a time); the reply lists each bucket's path and names. The pusher reads bucket i from its
+path (safetensors is mmap-friendly; point `weights_dir` at /dev/shm for a same-node shared-memory
+hand-off), so reading costs no extra round trip to the ranks.
+
+Threads: all torch work runs on one worker thread per rank, so the actor's event loop keeps
+answering heartbeats during a long step and torch.distributed sees every collective from the same
+thread, in the same order on every rank (the actor handles one message at a time).
+
+Try it: `TrainerGroup.spawn(system, TrainerConfig(model_dir=...), world_size=2)` in a script run
+under `miles_async.runtime.run`; see tests/dist/test_trainer_ranks.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from miles_async.runtime import Actor, ActorRef, ActorSystem, Failure, Message, RestartPolicy, handler
+from miles_async.trainer import checkpoint
+from miles_async.trainer.config import TrainerConfig
+from miles_async.trainer.fsdp import RankEnv, free_port, init_distributed
+from miles_async.trainer.packing import TrainSample
+from miles_async.trainer.step import StepMetrics, Trainer, WeightBucket
+
+T = TypeVar("T")
+log = logging.getLogger("miles_async.actors.trainer")
+STOP_TIMEOUT_S = 10.0
+
+
+class CheckpointInfo(msgspec.Struct, frozen=True, kw_only=True):
+    path: str
+    step: int
+    weight_version: int
+    data_cursor: int
+
+
+class WeightManifest(msgspec.Struct, frozen=True, kw_only=True):
+    """The full weights of one version: read each bucket's safetensors file at `path`."""
+
+    weight_version: int
+    folder: str
+    buckets: list[WeightBucket]
+
+
+# -- messages -------------------------------------------------------------------------------
+
+
+class TrainStep(Message):
+    """One optimizer step on the global batch; `data_cursor` is saved with the next checkpoint."""
+
+    samples: list[TrainSample]
+    data_cursor: int = -1  # -1 leaves the cursor as it is
+    Reply: ClassVar[Any] = StepMetrics
+
+
+class ExportWeights(Message):
+    """Write the current full weights as buckets; `folder` "" means <weights_dir>/v<version>."""
+
+    folder: str = ""
+    Reply: ClassVar[Any] = WeightManifest
+
+
+class SaveCheckpoint(Message):
+    Reply: ClassVar[Any] = CheckpointInfo
+
+
+class LoadCheckpoint(Message):
+    """Load the checkpoint at `path` ("" = the latest under the config's checkpoint_dir)."""
+
+    path: str = ""
+    Reply: ClassVar[Any] = CheckpointInfo
+
+
+# -- the actor ------------------------------------------------------------------------------
+
+
+class TrainerRank(Actor):
+    """One rank: joins the process group in `on_start`, then serves collectives (module docstring)."""
+
+    trainer: Trainer  # built in on_start, once the process group is joined
+
+    def __init__(self, config: TrainerConfig, rank: int, world_size: int, master_addr: str,
+                 master_port: int, local_rank: int | None = None) -> None:
+        self.config = config
+        self.env = RankEnv(master_addr, master_port, rank, world_size, rank if local_rank is None else local_rank)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer{rank}")
+
+    async def _on_torch_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def _build(self) -> None:
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        self.env.export()
+        device = init_distributed(self.config.backend, self.config.process_group_timeout_s)
+        self.trainer = Trainer(self.config, device)
+
+    async def on_start(self) -> None:
+        await self._on_torch_thread(self._build)
+
+    async def on_stop(self) -> None:
+        # Bounded: behind a collective whose peer died, the torch thread is stuck until the
+        # process group's timeout; the stop must not wait for it (the process exits regardless).
+        try:
+            await asyncio.wait_for(self._on_torch_thread(_destroy_process_group), STOP_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("rank %d: leaving the process group took over %gs; exiting without it",
+                        self.env.rank, STOP_TIMEOUT_S)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def on_failure(self, failure: Failure) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    @handler
+    async def train_step(self, msg: TrainStep) -> StepMetrics:
+        cursor = None if msg.data_cursor < 0 else msg.data_cursor
+        return await self._on_torch_thread(self.trainer.train_step, msg.samples, cursor)
+
+    @handler
+    async def export_weights(self, msg: ExportWeights) -> WeightManifest:
+        version = self.trainer.weight_version
+        folder = msg.folder or str(Path(self.weights_dir()) / f"v{version:08d}")
+        buckets = await self._on_torch_thread(self.trainer.export_weights, folder, self.config.weight_bucket_bytes)
+        return WeightManifest(weight_version=version, folder=folder, buckets=buckets)
+
+    def weights_dir(self) -> str:
+        """The config's `weights_dir`, else a temporary folder named after the run's MASTER_PORT
+        (the same on every rank, different between runs on one node)."""
+        if self.config.weights_dir:
+            return self.config.weights_dir
+        return str(Path(tempfile.gettempdir()) / f"miles-async-weights-{self.env.master_port}")
+
+    def _after_write(self, tmp_folder: Path) -> None:
+        """Runs between writing a checkpoint's parts and renaming it (tests fail a save here)."""
+
+    @handler
+    async def save_checkpoint(self, msg: SaveCheckpoint) -> CheckpointInfo:
+        root = self._checkpoint_dir()
+        path = await self._on_torch_thread(self.trainer.save_checkpoint, root, self._after_write)
+        return self._info(path)
+
+    @handler
+    async def load_checkpoint(self, msg: LoadCheckpoint) -> CheckpointInfo:
+        path = Path(msg.path) if msg.path else checkpoint.latest(self._checkpoint_dir())
+        if path is None:
+            raise ValueError(f"no finished checkpoint under {self._checkpoint_dir()}")
+        await self._on_torch_thread(self.trainer.load_checkpoint, path)
+        return self._info(path)
+
+    def _checkpoint_dir(self) -> str:
+        if not self.config.checkpoint_dir:
+            raise ValueError("TrainerConfig.checkpoint_dir is empty; set it to save or load checkpoints")
+        return self.config.checkpoint_dir
+
+    def _info(self, path: Path) -> CheckpointInfo:
+        t = self.trainer
+        return CheckpointInfo(path=str(path), step=t.step, weight_version=t.weight_version,
+                              data_cursor=t.data_cursor)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# -- the spawning side ----------------------------------------------------------------------
+
+
+class TrainerGroup:
+    """The ranks of one trainer, spawned together; `ask_all` sends a collective to every rank."""
+
+    def __init__(self, refs: list[ActorRef]) -> None:
+        self.refs = refs
+
+    @classmethod
+    async def spawn(cls, system: ActorSystem, config: TrainerConfig, world_size: int, *,
+                    name: str = "trainer", rank_cls: type[TrainerRank] = TrainerRank,
+                    master_addr: str = "127.0.0.1", master_port: int | None = None,
+                    restart: RestartPolicy | None = None) -> TrainerGroup:
+        """Spawn `world_size` ranks, each in its own process, named `<name>-<rank>`.
+
+        They are spawned concurrently: each rank's `on_start` waits in the rendezvous for the
+        others. Raises `SpawnError` if any rank fails to start.
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        port = master_port or free_port(master_addr)
+        spawns = [system.spawn(rank_cls, f"{name}-{rank}", process=True, restart=restart,
+                               args=(config, rank, world_size, master_addr, port)) for rank in range(world_size)]
+        results = await asyncio.gather(*spawns, return_exceptions=True)
+        refs = [r for r in results if isinstance(r, ActorRef)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(system.stop(ref) for ref in refs), return_exceptions=True)
+            raise errors[0]
+        return cls(refs)
+
+    async def ask_all(self, msg: Message, timeout_s: float) -> list[Any]:
+        """Send `msg` to every rank; the replies in rank order (a failure of any rank raises)."""
+        return list(await asyncio.gather(*(ref.ask(msg, timeout_s=timeout_s) for ref in self.refs)))
+
+    async def ask(self, msg: Message, timeout_s: float) -> Any:
+        """`ask_all`, returning rank 0's reply (every rank's is the same for these collectives)."""
+        return (await self.ask_all(msg, timeout_s))[0]
+
+    async def stop(self, timeout_s: float | None = None) -> None:
+        """Stop every rank (each leaves the process group in `on_stop`)."""
+        await asyncio.gather(*(ref.stop(timeout_s=timeout_s) for ref in self.refs))

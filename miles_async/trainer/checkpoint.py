@@ -1,0 +1,129 @@
+"""Checkpoints with torch.distributed.checkpoint: model, optimizer, RNG states, step, data cursor.
+
+Layout under the checkpoint folder:
+
+    step_00000004/          one finished checkpoint
+        *.distcp, .metadata   model and optimizer, sharded as they are trained (DCP)
+        rng_rank<r>.pt        each rank's RNG states
+        meta.json             step, weight version, data cursor, world size (written last)
+    .tmp-step_00000006/     a save in progress, or one that crashed
+
+A save writes everything into `.tmp-step_<N>` and rank 0 renames it to `step_<N>` only after
+every rank has written its part, so a crash mid-save leaves the previous checkpoint intact and
+`latest()` never returns a partial one (only renamed folders with a meta.json count).
+
+Every function here is a collective: call it on every rank, with the same arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+PREFIX = "step_"
+META = "meta.json"
+
+
+def step_folder(root: str | Path, step: int) -> Path:
+    return Path(root) / f"{PREFIX}{step:08d}"
+
+
+def latest(root: str | Path) -> Path | None:
+    """The finished checkpoint with the highest step under `root`, or None."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    done = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / META).is_file()]
+    return max(done, key=lambda p: int(p.name[len(PREFIX):]), default=None)
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(root: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any],
+         *, after_write: Callable[[Path], None] | None = None) -> Path:
+    """Save a checkpoint of `meta["step"]` under `root`; returns its folder.
+
+    `after_write(tmp_folder)` runs on every rank once its shards are written and before the
+    rename (a place to observe, or to fail, a save in the middle).
+    """
+    rank = dist.get_rank()
+    final = step_folder(root, int(meta["step"]))
+    tmp = final.with_name(f".tmp-{final.name}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed save of the same step
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    if after_write is not None:
+        after_write(tmp)
+    dist.barrier()  # every rank's part is on disk before the rename makes it visible
+    if rank == 0:
+        meta = {**meta, "world_size": dist.get_world_size()}
+        _write_durably(tmp / META, json.dumps(meta, indent=2).encode())
+        if final.exists():  # re-saving a step: swap, so a complete one is there at every instant
+            old = final.with_name(f".old-{final.name}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    dist.barrier()
+    return final
+
+
+def load(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Load the checkpoint in `folder` into `model`, `optimizer` and this rank's RNG; returns its meta."""
+    folder = Path(folder)
+    if not (folder / META).is_file():
+        raise ValueError(f"{folder} is not a finished checkpoint (no {META}); use checkpoint.latest(root)")
+    meta = json.loads((folder / META).read_text())
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng_file = folder / f"rng_rank{dist.get_rank()}.pt"
+    if rng_file.is_file():  # absent when resuming on more ranks than saved: fresh RNG for the new ones
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return meta
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,96 @@
+"""Joining the process group the torchrun way, and sharding a model with FSDP2.
+
+Rendezvous reads MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK from the environment
+(what torchrun sets; `TrainerRank` sets them from its constructor arguments). gloo on CPU, NCCL
+when CUDA is there. Sharding is FSDP2's `fully_shard` on every decoder block, then on the root,
+so that the embedding, final norm and (tied) lm_head form the root's group.
+
+Try it (one process): `MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0`
+then `device = init_distributed("gloo"); shard_model(model, device)`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """Where this rank sits in the run: the five torchrun variables."""
+
+    master_addr: str
+    master_port: int
+    rank: int
+    world_size: int
+    local_rank: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
+
+    def export(self) -> None:
+        """Set the torchrun variables of this process's environment."""
+        values = (self.master_addr, self.master_port, self.rank, self.world_size, self.local_rank)
+        os.environ.update({key: str(value) for key, value in zip(ENV_KEYS, values)})
+
+    @classmethod
+    def from_environ(cls) -> RankEnv:
+        missing = [key for key in ENV_KEYS if key not in os.environ]
+        if missing:
+            raise ValueError(f"set {', '.join(missing)} (as torchrun does) before joining the process group")
+        return cls(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
+                   int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on `host`, for MASTER_PORT on one node."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def pick_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 120.0) -> torch.device:
+    """Join the default process group from the environment; returns this rank's device."""
+    env = RankEnv.from_environ()
+    backend = pick_backend(backend)
+    if backend == "nccl":
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return device
+
+
+def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """FSDP2: `fully_shard` each decoder block, then the root (in place; returns the model)."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly sharded) parameter; a collective when it is a DTensor."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

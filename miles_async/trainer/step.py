@@ -1,0 +1,194 @@
+"""`Trainer`: one rank's model, optimizer and train step; the actor `TrainerRank` wraps it.
+
+A train step takes the *global* batch (every rank gets all of it), keeps this rank's share
+(`packing.plan_micro_batches`), and accumulates gradients over its micro-batches. The loss is a
+sum over trained tokens divided by the number of trained tokens of the whole global batch, times
+the world size to undo FSDP's averaging of gradients over ranks (gloo has no PREMUL_SUM, so the
+divide factor cannot simply be set to 1), so the update is the same whatever the world size and
+the micro-batch budget, up to float summation order.
+
+Try it: see tests/unit/test_trainer_step.py (one rank over gloo, in-process).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from miles_async.models import load_pretrained
+from miles_async.trainer import checkpoint
+from miles_async.trainer.config import TrainerConfig
+from miles_async.trainer.fsdp import full_tensor, shard_model
+from miles_async.trainer.loss import policy_loss_sum, token_logprobs
+from miles_async.trainer.packing import TrainSample, num_trained_tokens, pack, plan_micro_batches
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
+    """What one train step reports (the same on every rank: reduced over the world)."""
+
+    step: int
+    weight_version: int
+    loss: float
+    grad_norm: float
+    num_samples: int
+    num_tokens: int
+    num_trained_tokens: int
+    num_micro_batches: int
+    tokens_per_s: float
+    logprob_abs_diff: float  # mean |trainer log-prob - rollout log-prob| over trained tokens
+    mean_reward: float
+    elapsed_s: float
+    skipped: bool = False  # True when the gradient was not finite and no update was made
+
+
+class WeightBucket(msgspec.Struct, frozen=True, kw_only=True):
+    """One file of full tensors written by `Trainer.export_weights`: its path and what it holds."""
+
+    path: str
+    names: list[str]
+    num_bytes: int
+
+
+class Trainer:
+    """Model (FSDP2-sharded), AdamW and the train step of one rank; the process group must exist."""
+
+    def __init__(self, config: TrainerConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(config.seed)
+        model = load_pretrained(config.model_dir, dtype=DTYPES[config.dtype], device=device)
+        model.train()
+        self.model = shard_model(model, device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
+                                           eps=config.eps, weight_decay=config.weight_decay)
+        model_config = model.config
+        self.moe_shape = ((len(model_config.moe_layer_indices), model_config.num_experts_per_tok)
+                          if model_config.is_moe else None)
+        self.step = 0
+        self.weight_version = 0
+        self.data_cursor = 0
+
+    def train_step(self, samples: list[TrainSample], data_cursor: int | None = None) -> StepMetrics:
+        """One optimizer step on the global batch `samples`; every rank must call it with the same."""
+        if not samples:
+            raise ValueError("train_step needs at least one sample")
+        for sample in samples:
+            sample.check()
+        start = time.perf_counter()
+        total_trained = sum(num_trained_tokens(s) for s in samples)
+        denominator = max(total_trained, 1)
+        micro_batches = plan_micro_batches(samples, self.rank, self.world_size, self.config.micro_batch_tokens)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(2, dtype=torch.float64)  # loss sum, |logp diff| sum
+        for group in micro_batches:
+            batch = pack(group, self.moe_shape)
+            experts = None if batch.routed_experts_L1Tk is None else batch.routed_experts_L1Tk.to(self.device)
+            logits_1TV = self.model(batch.input_ids_1T.to(self.device), batch.positions_1T.to(self.device),
+                                    routed_experts=experts)
+            mask_T = batch.loss_mask_T.to(self.device)
+            logprobs_T = token_logprobs(logits_1TV[0], batch.targets_T.to(self.device))
+            rollout_T = batch.rollout_logprobs_T.to(self.device)
+            loss_sum = policy_loss_sum(logprobs_T, rollout_T, batch.advantages_T.to(self.device), mask_T)
+            # FSDP averages gradients over ranks; the loss is already a mean over the global
+            # batch, so undo the average (x world size; a power of two is exact in floats).
+            (loss_sum * (self.world_size / denominator)).backward()
+            with torch.no_grad():
+                sums[0] += loss_sum.detach().double().cpu()
+                sums[1] += ((logprobs_T.detach() - rollout_T).abs() * mask_T).sum().double().cpu()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        grad_norm = float(full_tensor(grad_norm))
+        # A non-finite gradient (same on every rank: the norm is reduced) skips the update.
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+            self.weight_version += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        if data_cursor is not None:
+            self.data_cursor = data_cursor
+        if self.world_size > 1:
+            reduced = sums.to(self.device)  # NCCL reduces device tensors only
+            dist.all_reduce(reduced)
+            sums = reduced.cpu()
+        elapsed_s = time.perf_counter() - start
+        num_tokens = sum(len(s.tokens) for s in samples)
+        return StepMetrics(
+            step=self.step, weight_version=self.weight_version, loss=float(sums[0]) / denominator,
+            grad_norm=grad_norm, num_samples=len(samples), num_tokens=num_tokens,
+            num_trained_tokens=total_trained, num_micro_batches=len(micro_batches),
+            tokens_per_s=num_tokens / max(elapsed_s, 1e-9), logprob_abs_diff=float(sums[1]) / denominator,
+            mean_reward=sum(s.reward for s in samples) / len(samples), elapsed_s=elapsed_s, skipped=skipped)
+
+    def export_weights(self, out_dir: str | Path, bucket_bytes: int) -> list[WeightBucket]:
+        """Write the full weights as safetensors buckets of about `bucket_bytes` (a collective).
+
+        Every rank gathers each parameter (FSDP all-gather, one at a time, so no rank holds more
+        than one bucket of full tensors); rank 0 writes bucket i to `out_dir/bucket_<i>.safetensors`
+        as soon as it is full, into a temporary folder renamed to `out_dir` at the end, so a
+        reader never sees half a version. Every rank returns the same list of buckets.
+        """
+        out_dir = Path(out_dir)
+        tmp_dir = out_dir.with_name(f".tmp-{out_dir.name}")
+        if self.rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            tmp_dir.mkdir(parents=True)
+        buckets: list[WeightBucket] = []
+        pending: dict[str, torch.Tensor] = {}
+        pending_bytes = 0
+
+        def flush() -> None:
+            nonlocal pending, pending_bytes
+            path = out_dir / f"bucket_{len(buckets):05d}.safetensors"
+            if self.rank == 0:
+                save_file(pending, str(tmp_dir / path.name))
+            buckets.append(WeightBucket(path=str(path), names=list(pending), num_bytes=pending_bytes))
+            pending, pending_bytes = {}, 0
+
+        for name, param in self.model.named_parameters():
+            tensor = full_tensor(param.detach()).cpu().contiguous()
+            size = tensor.numel() * tensor.element_size()
+            if pending and pending_bytes + size > bucket_bytes:
+                flush()
+            pending[name] = tensor
+            pending_bytes += size
+        if pending:
+            flush()
+        if self.rank == 0:
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            os.replace(tmp_dir, out_dir)
+        dist.barrier()
+        return buckets
+
+    def save_checkpoint(self, root: str | Path, after_write: Callable[[Path], None] | None = None) -> Path:
+        """Save model, optimizer, RNG, step, version and data cursor under `root` (a collective)."""
+        meta = {"step": self.step, "weight_version": self.weight_version, "data_cursor": self.data_cursor}
+        return checkpoint.save(root, self.model, self.optimizer, meta, after_write=after_write)
+
+    def load_checkpoint(self, folder: str | Path) -> dict[str, Any]:
+        """Load a checkpoint folder (a collective); returns its meta (step, weight_version, data_cursor)."""
+        meta = checkpoint.load(folder, self.model, self.optimizer)
+        self.step, self.weight_version = int(meta["step"]), int(meta["weight_version"])
+        self.data_cursor = int(meta["data_cursor"])
+        return meta
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter, unsharded, by Hugging Face name (a collective: call on every rank).
+
+        Tied weights appear once, under the first name (`model.embed_tokens.weight`), as a
+        Hugging Face checkpoint with `tie_word_embeddings` stores them.
+        """
+        return {name: full_tensor(param.detach()).cpu() for name, param in self.model.named_parameters()}

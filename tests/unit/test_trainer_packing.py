@@ -1,0 +1,130 @@
+"""Packing without padding, rank assignment and micro-batches by a token budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_async.models import CausalLM, ModelConfig
+from miles_async.trainer.config import TrainerConfig
+from miles_async.trainer.loss import policy_loss_sum, token_logprobs
+from miles_async.trainer.packing import (
+    TrainSample,
+    assign_to_ranks,
+    experts_bytes,
+    num_trained_tokens,
+    pack,
+    plan_micro_batches,
+    split_micro_batches,
+)
+
+
+def sample(tokens: list[int], mask: list[int], advantage: float = 1.0) -> TrainSample:
+    return TrainSample(tokens=tokens, loss_mask=mask, rollout_logprobs=[-float(t) for t in tokens],
+                       advantage=advantage)
+
+
+def test_pack_restarts_positions_and_shifts_targets_within_each_sample() -> None:
+    packed = pack([sample([5, 6, 7], [0, 1, 1], 2.0), sample([8, 9], [0, 1], -1.0)])
+    assert packed.input_ids_1T.tolist() == [[5, 6, 7, 8, 9]]
+    assert packed.positions_1T.tolist() == [[0, 1, 2, 0, 1]]
+    assert packed.targets_T.tolist() == [6, 7, 0, 9, 0]  # never a target across samples
+    assert packed.loss_mask_T.tolist() == [1, 1, 0, 1, 0]
+    assert packed.rollout_logprobs_T.tolist() == [-6, -7, 0, -9, 0]
+    assert packed.advantages_T.tolist() == [2, 2, 2, -1, -1]
+    assert (packed.num_samples, packed.num_tokens) == (2, 5)
+
+
+def test_first_token_is_never_trained_and_empty_pack_is_a_dummy_row() -> None:
+    assert num_trained_tokens(sample([1, 2, 3], [1, 1, 0])) == 1
+    assert pack([sample([1, 2, 3], [1, 1, 0])]).loss_mask_T.tolist() == [1, 0, 0]
+    empty = pack([])
+    assert empty.num_tokens == 1 and empty.num_samples == 0 and empty.loss_mask_T.sum() == 0
+
+
+def test_mismatched_lengths_name_the_field() -> None:
+    with pytest.raises(ValueError, match="loss_mask has 2 entries for 3 tokens"):
+        pack([TrainSample(tokens=[1, 2, 3], loss_mask=[0, 1], rollout_logprobs=[0, 0, 0])])
+    with pytest.raises(ValueError, match="empty"):
+        pack([TrainSample(tokens=[], loss_mask=[], rollout_logprobs=[])])
+
+
+def test_packed_forward_equals_separate_forwards() -> None:
+    config = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True)
+    torch.manual_seed(0)
+    model = CausalLM(config).eval()
+    a, b = sample([3, 4, 5, 6], [0, 1, 1, 1]), sample([7, 8, 9], [0, 1, 1])
+    packed = pack([a, b])
+    with torch.no_grad():
+        logits = model(packed.input_ids_1T, packed.positions_1T)[0]
+        alone = torch.cat([model(torch.tensor([s.tokens]))[0] for s in (a, b)])
+    torch.testing.assert_close(logits, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_split_micro_batches_by_token_budget() -> None:
+    assert split_micro_batches([4, 4, 4, 9, 1], 8) == [[0, 1], [2], [3], [4]]  # 9 > 8 goes alone
+    assert split_micro_batches([], 8) == []
+    with pytest.raises(ValueError, match="max_tokens"):
+        split_micro_batches([1], 0)
+
+
+def test_assign_to_ranks_balances_tokens_deterministically() -> None:
+    assert assign_to_ranks([10, 1, 9, 2], 2) == [[0, 1], [2, 3]]
+    assert assign_to_ranks([5, 5, 5], 1) == [[0, 1, 2]]
+    assert assign_to_ranks([3], 2) == [[0], []]
+
+
+def test_every_rank_runs_the_same_number_of_micro_batches() -> None:
+    samples = [sample(list(range(n)), [0] + [1] * (n - 1)) for n in (9, 2, 2, 2, 2)]
+    plans = [plan_micro_batches(samples, rank, 2, max_tokens=4) for rank in range(2)]
+    assert len(plans[0]) == len(plans[1])
+    assert sorted(len(s.tokens) for plan in plans for group in plan for s in group) == [2, 2, 2, 2, 9]
+    assert [] in plans[0] or [] in plans[1]  # the lighter rank runs empty (dummy) micro-batches
+
+
+def test_placeholder_loss_is_masked_sft_with_unit_advantage() -> None:
+    logits_TV = torch.randn(4, 10)
+    targets_T = torch.tensor([1, 2, 3, 4])
+    logp_T = token_logprobs(logits_TV, targets_T)
+    torch.testing.assert_close(logp_T, -torch.nn.functional.cross_entropy(logits_TV, targets_T, reduction="none"))
+    mask_T = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    loss = policy_loss_sum(logp_T, torch.zeros(4), torch.ones(4), mask_T)
+    torch.testing.assert_close(loss, -(logp_T * mask_T).sum())
+
+
+def test_config_refuses_bad_values() -> None:
+    assert TrainerConfig(model_dir="m").backend == "auto"
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        TrainerConfig(model_dir="m", micro_batch_tokens=0)
+    with pytest.raises(ValueError, match="backend"):
+        TrainerConfig(model_dir="m", backend="mpi")
+
+
+def test_packed_routed_experts_are_replayed() -> None:
+    config = ModelConfig(family="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+    torch.manual_seed(0)
+    model = CausalLM(config).eval()
+    token_lists = ([3, 4, 5, 6], [7, 8, 9])
+    samples, alone = [], []
+    with torch.no_grad():
+        for i, tokens in enumerate(token_lists):
+            logits_1TV, experts_L1Tk = model(torch.tensor([tokens]), return_routed_experts=True)
+            experts_TLk = experts_L1Tk[:, 0].transpose(0, 1)
+            if i == 1:
+                experts_TLk = experts_TLk[:-1]  # the engine never forwards a sample's last token
+            samples.append(TrainSample(tokens=list(tokens), loss_mask=[0] + [1] * (len(tokens) - 1),
+                                       rollout_logprobs=[0.0] * len(tokens), routed_experts=experts_bytes(experts_TLk)))
+            alone.append(logits_1TV[0])
+        packed = pack(samples, moe_shape=(2, 2))
+        assert packed.routed_experts_L1Tk is not None and packed.routed_experts_L1Tk.shape == (2, 1, 7, 2)
+        logits = model(packed.input_ids_1T, packed.positions_1T, routed_experts=packed.routed_experts_L1Tk)[0]
+    trained = packed.loss_mask_T.bool()  # the padded last token trains nothing; the rest match
+    torch.testing.assert_close(logits[trained], torch.cat(alone)[trained], rtol=1e-5, atol=1e-5)
+    assert pack(samples).routed_experts_L1Tk is None  # a dense model ignores them
+    with pytest.raises(ValueError, match="all or none"):
+        pack([samples[0], sample([1, 2], [0, 1])], moe_shape=(2, 2))
+    with pytest.raises(ValueError, match="routed_experts holds"):
+        pack([samples[0]], moe_shape=(3, 2))
