@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+from miles_async.rl import PolicyLossConfig
+
+OBJECTIVES: tuple[str, ...] = ("rl", "sft")
+OLD_LOGPROBS: tuple[str, ...] = ("trainer", "rollout")
 
 
 class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -10,6 +17,15 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     `micro_batch_tokens` bounds the packed tokens of one forward/backward; a sample longer than it
     gets a micro-batch of its own. `backend` "auto" picks NCCL when CUDA is there, else gloo.
+
+    The loss (`miles_async.trainer.loss`): `objective` "rl" is `miles_async.rl.policy_loss` with
+    `policy_loss` (PPO clip, dual clip, TIS cap, KL and entropy coefficients, aggregation);
+    "sft" is cross-entropy on the masked tokens (warm start), aggregated the same way.
+    Advantages are an input: each `TrainSample` carries its own. `old_logprobs` is the PPO
+    anchor: "trainer" (this step's log-probs before the update, so the ratio is 1 and TIS
+    corrects trainer vs engine) or "rollout" (the engine's, so the clip acts on that ratio and
+    TIS is 1). `temperature` is the rollouts' sampling temperature: log-probs and entropy are of
+    softmax(logits / temperature), the distribution the engine sampled from.
     """
 
     model_dir: str
@@ -29,6 +45,11 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     weights_dir: str = ""
     weight_bucket_bytes: int = 64 << 20
     process_group_timeout_s: float = 120.0
+    objective: Literal["rl", "sft"] = "rl"
+    policy_loss: PolicyLossConfig = PolicyLossConfig()
+    old_logprobs: Literal["trainer", "rollout"] = "trainer"
+    temperature: float = 1.0
+    logprob_chunk_tokens: int = 512  # rows of [tokens, vocab] logits alive at once (kernels.logprobs)
 
     def __post_init__(self) -> None:
         if self.micro_batch_tokens < 1:
@@ -39,5 +60,13 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.lr <= 0 or self.grad_clip <= 0:
             raise ValueError(f"lr and grad_clip must be positive, got lr={self.lr}, grad_clip={self.grad_clip}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ValueError(f"old_logprobs must be one of {OLD_LOGPROBS}, got {self.old_logprobs!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 (the rollouts' sampling temperature), got {self.temperature}")
+        if self.logprob_chunk_tokens < 1:
+            raise ValueError(f"logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
         if self.weight_bucket_bytes < 1:
             raise ValueError(f"weight_bucket_bytes must be >= 1, got {self.weight_bucket_bytes}")

@@ -1,30 +1,109 @@
-"""The per-token log-probs and the loss of the train step: plain placeholders, one place to swap.
+"""The train step's per-token log-probs and loss: `miles_async.kernels` + `miles_async.rl` on a packed row.
 
-SWAP POINT: `token_logprobs` is to be replaced by the chunked log-probs of
-`miles_async.kernels.logprobs` (no full float32 [tokens, vocab] tensor held at once), and
-`policy_loss_sum` by the PPO/TIS/KL losses of `miles_async.rl`. Both keep these signatures' shape:
-tensors in, a per-token tensor or a summed scalar out, normalised by the caller.
+- `attach_logprobs(model)` gives the (FSDP2-sharded) model a second forward method,
+  `model.token_logprobs(ids, positions, targets, routed_experts)`, that runs the backbone and then
+  the chunked log-prob kernel on the final hidden states and the lm_head weight, so the step never
+  holds a full float32 [tokens, vocab] logits tensor. It is registered with FSDP2
+  (`register_fsdp_forward_method`): the root's parameters (embedding, final norm, lm_head) are
+  all-gathered around it and their gradients reduce-scattered after the backward, exactly as for
+  `forward`.
+- `micro_batch_loss` is the loss of one packed micro-batch (`TrainerConfig.objective`): the RL
+  policy loss (PPO clip + dual clip, TIS against the rollout log-probs, KL to the reference
+  log-probs when the batch carries them, entropy bonus) or SFT cross-entropy, divided by the
+  whole step's denominator, plus the step metrics' sums of this micro-batch (one float64 vector,
+  see `LOSS_SUM_NAMES`, so the step makes a single all-reduce).
 
-Tensor names (STYLE rule 10): T packed tokens, V vocab.
+Tensor names (STYLE rule 10): T packed tokens, D hidden, K summed metrics.
+
+Try it: see tests/unit/test_trainer_step.py.
 """
 
 from __future__ import annotations
 
+import types
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import register_fsdp_forward_method
+
+from miles_async.kernels.logprobs import token_logprobs_from_hidden
+from miles_async.models import DenseCausalAttention
+from miles_async.rl import METRIC_SUM_NAMES, metric_sums, policy_loss, sft_loss
+from miles_async.trainer.config import TrainerConfig
+from miles_async.trainer.packing import PackedBatch
+
+# After the rl metric sums: the step's aggregated loss and its parts (each already divided by the
+# step's denominator, so summing over micro-batches and ranks gives the step's values).
+LOSS_SUM_NAMES: tuple[str, ...] = (*METRIC_SUM_NAMES, "loss", "pg_loss", "kl")
 
 
-def token_logprobs(logits_TV: torch.Tensor, targets_T: torch.Tensor) -> torch.Tensor:
-    """log p(target) per token, in float32 (log_softmax over the whole vocabulary, then gather)."""
-    return F.log_softmax(logits_TV.float(), dim=-1).gather(-1, targets_T[:, None]).squeeze(-1)
+def attach_logprobs(model: nn.Module, config: TrainerConfig) -> None:
+    """Give `model` (a CausalLM, sharded or not) the `token_logprobs` forward method (module docstring)."""
+    temperature, chunk_tokens = config.temperature, config.logprob_chunk_tokens
+
+    def token_logprobs(self: nn.Module, input_ids_1T: torch.Tensor, positions_1T: torch.Tensor,
+                       targets_T: torch.Tensor,
+                       routed_experts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        h_1TD, _ = self.model(input_ids_1T, positions_1T, DenseCausalAttention(), routed_experts)
+        logp_T, entropy_T = token_logprobs_from_hidden(h_1TD[0], self.lm_head.weight, targets_T,
+                                                       temperature=temperature, chunk_tokens=chunk_tokens)
+        # The kernel returns views (a reshape); FSDP2 hooks its pre-backward on the outputs and
+        # warns about views, so hand it fresh tensors ([T] floats: nothing to speak of).
+        return logp_T.clone(), entropy_T.clone()
+
+    # An instance method (models/ has no such method); FSDP2 then wraps it with its forward hooks.
+    model.token_logprobs = types.MethodType(token_logprobs, model)
+    register_fsdp_forward_method(model, "token_logprobs")
 
 
-def policy_loss_sum(logprobs_T: torch.Tensor, rollout_logprobs_T: torch.Tensor, advantages_T: torch.Tensor,
-                    loss_mask_T: torch.Tensor) -> torch.Tensor:
-    """Masked REINFORCE, summed over tokens: -sum(advantage * log p * mask).
+@dataclass(frozen=True)
+class MicroBatchLoss:
+    loss: torch.Tensor  # with gradient, already divided by the step's denominator
+    sums_K: torch.Tensor  # float64, in the order of LOSS_SUM_NAMES
 
-    With every advantage 1.0 it is SFT cross-entropy. `rollout_logprobs_T` is unused until the
-    off-policy correction (TIS) of `miles_async.rl` replaces this function.
+
+def step_denominator(config: TrainerConfig, num_trained_per_sample: list[int]) -> int:
+    """The whole step's aggregation denominator (all micro-batches, all ranks), at least 1.
+
+    Every rank holds the global batch, so it is computed locally: trained tokens for "token"
+    aggregation, sequences with a trained token otherwise (what `rl.aggregation_denominator`
+    gives, summed).
     """
-    del rollout_logprobs_T
-    return -(advantages_T * logprobs_T * loss_mask_T).sum()
+    if config.policy_loss.aggregation == "token":
+        return max(sum(num_trained_per_sample), 1)
+    return max(sum(1 for n in num_trained_per_sample if n > 0), 1)
+
+
+def micro_batch_loss(model: nn.Module, batch: PackedBatch, config: TrainerConfig, denominator: float,
+                     device: torch.device) -> MicroBatchLoss:
+    """Forward one packed micro-batch and return its loss (for backward) and its metric sums."""
+    loss_config = config.policy_loss
+    experts = None if batch.routed_experts_L1Tk is None else batch.routed_experts_L1Tk.to(device)
+    positions_1T = batch.positions_1T.to(device)
+    logp_T, entropy_T = model.token_logprobs(batch.input_ids_1T.to(device), positions_1T,
+                                             batch.targets_T.to(device), experts)
+    mask_T = batch.loss_mask_T.to(device)
+    rollout_T = batch.rollout_logprobs_T.to(device)
+    seq_ids_T = (positions_1T[0] == 0).cumsum(0) - 1
+    zero = logp_T.new_zeros(())
+    if config.objective == "sft":
+        loss = sft_loss(logp_T, mask_T, seq_ids_T, loss_config.aggregation, denominator=denominator)
+        out = None
+        parts = (loss.detach(), zero)
+    else:
+        ref_T = None
+        if loss_config.kl_coef > 0:
+            # A padding micro-batch (no samples) trains nothing: any reference will do.
+            ref_T = logp_T.detach() if batch.ref_logprobs_T is None else batch.ref_logprobs_T.to(device)
+        old_T = rollout_T if config.old_logprobs == "rollout" else None
+        out = policy_loss(logp_T, batch.advantages_T.to(device), mask_T, seq_ids_T, loss_config,
+                          old_logp_T=old_T, rollout_logp_T=rollout_T, ref_logp_T=ref_T,
+                          entropy_T=entropy_T if loss_config.entropy_coef > 0 else entropy_T.detach(),
+                          denominator=denominator)
+        loss = out.loss
+        parts = (out.pg_loss, out.kl)
+    sums_K = metric_sums(trainer_logp_T=logp_T.detach(), rollout_logp_T=rollout_T, loss_mask_T=mask_T, loss=out,
+                         entropy_T=entropy_T.detach())
+    extra_K = torch.stack([loss.detach(), *parts]).double()
+    return MicroBatchLoss(loss=loss, sums_K=torch.cat([sums_K, extra_K]))

@@ -31,6 +31,8 @@ class TrainSample(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     `routed_experts` (MoE, R3) is what the engine recorded: int32 little-endian bytes of shape
     [tokens, MoE layers, top_k] (SGLang's layout), for all tokens or all but the last (which the
     engine never forwarded); empty means the trainer's router chooses.
+    `ref_logprobs` (optional) is a reference policy's log-prob of each token, for the KL term;
+    empty means none (all samples of a batch carry them or none do).
     """
 
     tokens: list[int]
@@ -40,6 +42,7 @@ class TrainSample(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     reward: float = 0.0
     weight_version: int = 0
     routed_experts: bytes = b""
+    ref_logprobs: list[float] = []
 
     def check(self) -> None:
         """Raise ValueError naming the field whose length does not match `tokens`."""
@@ -50,6 +53,9 @@ class TrainSample(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
                 raise ValueError(
                     f"TrainSample.{field} has {len(getattr(self, field))} entries for {len(self.tokens)} "
                     "tokens; give one per token (0 where the token is not trained)")
+        if self.ref_logprobs and len(self.ref_logprobs) != len(self.tokens):
+            raise ValueError(f"TrainSample.ref_logprobs has {len(self.ref_logprobs)} entries for {len(self.tokens)} "
+                             "tokens; give one per token, or none")
 
 
 def num_trained_tokens(sample: TrainSample) -> int:
@@ -108,7 +114,7 @@ class PackedBatch:
     advantages_T: torch.Tensor  # float32, the target's sample's advantage
     num_samples: int
     routed_experts_L1Tk: torch.Tensor | None = None  # int64, experts to replay (R3), or None
-
+    ref_logprobs_T: torch.Tensor | None = None  # float32, a reference policy's log-prob of each target
 
     @property
     def num_tokens(self) -> int:
@@ -154,7 +160,21 @@ def pack(samples: list[TrainSample], moe_shape: tuple[int, int] | None = None) -
         advantages_T=torch.tensor(advantages, dtype=torch.float32),
         num_samples=len(samples),
         routed_experts_L1Tk=_pack_experts(samples, moe_shape),
+        ref_logprobs_T=_pack_ref(samples),
     )
+
+
+def _pack_ref(samples: list[TrainSample]) -> torch.Tensor | None:
+    carrying = sum(1 for s in samples if s.ref_logprobs)
+    if carrying == 0:
+        return None
+    if carrying != len(samples):
+        raise ValueError(f"{carrying} of {len(samples)} samples carry ref_logprobs; the KL term needs all or none")
+    values: list[float] = []
+    for sample in samples:
+        values.extend(float(x) for x in sample.ref_logprobs[1:])
+        values.append(0.0)
+    return torch.tensor(values, dtype=torch.float32)
 
 
 def _pack_experts(samples: list[TrainSample], moe_shape: tuple[int, int] | None) -> torch.Tensor | None:

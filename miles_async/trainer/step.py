@@ -1,11 +1,13 @@
 """`Trainer`: one rank's model, optimizer and train step; the actor `TrainerRank` wraps it.
 
 A train step takes the *global* batch (every rank gets all of it), keeps this rank's share
-(`packing.plan_micro_batches`), and accumulates gradients over its micro-batches. The loss is a
-sum over trained tokens divided by the number of trained tokens of the whole global batch, times
-the world size to undo FSDP's averaging of gradients over ranks (gloo has no PREMUL_SUM, so the
-divide factor cannot simply be set to 1), so the update is the same whatever the world size and
-the micro-batch budget, up to float summation order.
+(`packing.plan_micro_batches`), and accumulates gradients over its micro-batches. The loss
+(`loss.micro_batch_loss`: PPO/TIS/KL/entropy of `miles_async.rl`, or SFT) is a sum over trained
+tokens divided by the aggregation denominator of the whole global batch, times the world size to
+undo FSDP's averaging of gradients over ranks (gloo has no PREMUL_SUM, so the divide factor
+cannot simply be set to 1), so the update is the same whatever the world size and the
+micro-batch budget, up to float summation order. Each micro-batch adds its metric sums to one
+float64 vector, all-reduced once per step.
 
 Try it: see tests/unit/test_trainer_step.py (one rank over gloo, in-process).
 """
@@ -26,10 +28,11 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from miles_async.models import load_pretrained
+from miles_async.rl import METRIC_SUM_NAMES, RLMetrics
 from miles_async.trainer import checkpoint
 from miles_async.trainer.config import TrainerConfig
 from miles_async.trainer.fsdp import full_tensor, shard_model
-from miles_async.trainer.loss import policy_loss_sum, token_logprobs
+from miles_async.trainer.loss import LOSS_SUM_NAMES, attach_logprobs, micro_batch_loss, step_denominator
 from miles_async.trainer.packing import TrainSample, num_trained_tokens, pack, plan_micro_batches
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -51,6 +54,15 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     mean_reward: float
     elapsed_s: float
     skipped: bool = False  # True when the gradient was not finite and no update was made
+    # Means over trained tokens (miles_async.rl.RLMetrics), at the weights before this step's update:
+    rollout_kl_k3: float = 0.0  # k3 KL between the rollout's and the trainer's log-probs
+    clip_fraction: float = 0.0  # PPO clip set the token's term
+    dual_clip_fraction: float = 0.0
+    tis_truncated_fraction: float = 0.0  # the TIS weight hit the cap
+    entropy: float = 0.0  # per-token entropy of the trainer's distribution
+    # The loss's parts, aggregated like the loss (loss = pg_loss + kl_coef * kl - entropy_coef * entropy):
+    pg_loss: float = 0.0
+    kl: float = 0.0  # to the reference log-probs (0 unless kl_coef > 0)
 
 
 class WeightBucket(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,6 +84,7 @@ class Trainer:
         model = load_pretrained(config.model_dir, dtype=DTYPES[config.dtype], device=device)
         model.train()
         self.model = shard_model(model, device)
+        attach_logprobs(self.model, config)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
                                            eps=config.eps, weight_decay=config.weight_decay)
         model_config = model.config
@@ -83,31 +96,19 @@ class Trainer:
 
     def train_step(self, samples: list[TrainSample], data_cursor: int | None = None) -> StepMetrics:
         """One optimizer step on the global batch `samples`; every rank must call it with the same."""
-        if not samples:
-            raise ValueError("train_step needs at least one sample")
-        for sample in samples:
-            sample.check()
+        self._check_batch(samples)
         start = time.perf_counter()
-        total_trained = sum(num_trained_tokens(s) for s in samples)
-        denominator = max(total_trained, 1)
+        trained_per_sample = [num_trained_tokens(s) for s in samples]
+        denominator = step_denominator(self.config, trained_per_sample)
         micro_batches = plan_micro_batches(samples, self.rank, self.world_size, self.config.micro_batch_tokens)
         self.optimizer.zero_grad(set_to_none=True)
-        sums = torch.zeros(2, dtype=torch.float64)  # loss sum, |logp diff| sum
+        sums_K = torch.zeros(len(LOSS_SUM_NAMES), dtype=torch.float64)
         for group in micro_batches:
-            batch = pack(group, self.moe_shape)
-            experts = None if batch.routed_experts_L1Tk is None else batch.routed_experts_L1Tk.to(self.device)
-            logits_1TV = self.model(batch.input_ids_1T.to(self.device), batch.positions_1T.to(self.device),
-                                    routed_experts=experts)
-            mask_T = batch.loss_mask_T.to(self.device)
-            logprobs_T = token_logprobs(logits_1TV[0], batch.targets_T.to(self.device))
-            rollout_T = batch.rollout_logprobs_T.to(self.device)
-            loss_sum = policy_loss_sum(logprobs_T, rollout_T, batch.advantages_T.to(self.device), mask_T)
+            out = micro_batch_loss(self.model, pack(group, self.moe_shape), self.config, denominator, self.device)
             # FSDP averages gradients over ranks; the loss is already a mean over the global
             # batch, so undo the average (x world size; a power of two is exact in floats).
-            (loss_sum * (self.world_size / denominator)).backward()
-            with torch.no_grad():
-                sums[0] += loss_sum.detach().double().cpu()
-                sums[1] += ((logprobs_T.detach() - rollout_T).abs() * mask_T).sum().double().cpu()
+            (out.loss * self.world_size).backward()
+            sums_K += out.sums_K.cpu()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         grad_norm = float(full_tensor(grad_norm))
         # A non-finite gradient (same on every rank: the norm is reduced) skips the update.
@@ -120,17 +121,32 @@ class Trainer:
         if data_cursor is not None:
             self.data_cursor = data_cursor
         if self.world_size > 1:
-            reduced = sums.to(self.device)  # NCCL reduces device tensors only
+            reduced = sums_K.to(self.device)  # NCCL reduces device tensors only; one collective per step
             dist.all_reduce(reduced)
-            sums = reduced.cpu()
+            sums_K = reduced.cpu()
         elapsed_s = time.perf_counter() - start
+        num_rl = len(METRIC_SUM_NAMES)
+        rl = RLMetrics.from_sums(sums_K[:num_rl])
+        loss, pg_loss, kl = sums_K[num_rl:].tolist()
         num_tokens = sum(len(s.tokens) for s in samples)
         return StepMetrics(
-            step=self.step, weight_version=self.weight_version, loss=float(sums[0]) / denominator,
-            grad_norm=grad_norm, num_samples=len(samples), num_tokens=num_tokens,
-            num_trained_tokens=total_trained, num_micro_batches=len(micro_batches),
-            tokens_per_s=num_tokens / max(elapsed_s, 1e-9), logprob_abs_diff=float(sums[1]) / denominator,
-            mean_reward=sum(s.reward for s in samples) / len(samples), elapsed_s=elapsed_s, skipped=skipped)
+            step=self.step, weight_version=self.weight_version, loss=loss, grad_norm=grad_norm,
+            num_samples=len(samples), num_tokens=num_tokens, num_trained_tokens=sum(trained_per_sample),
+            num_micro_batches=len(micro_batches), tokens_per_s=num_tokens / max(elapsed_s, 1e-9),
+            logprob_abs_diff=rl.logprob_abs_diff, mean_reward=sum(s.reward for s in samples) / len(samples),
+            elapsed_s=elapsed_s, skipped=skipped, rollout_kl_k3=rl.rollout_kl_k3, clip_fraction=rl.clip_fraction,
+            dual_clip_fraction=rl.dual_clip_fraction, tis_truncated_fraction=rl.tis_truncated_fraction,
+            entropy=rl.entropy, pg_loss=pg_loss, kl=kl)
+
+    def _check_batch(self, samples: list[TrainSample]) -> None:
+        if not samples:
+            raise ValueError("train_step needs at least one sample")
+        for sample in samples:
+            sample.check()
+        needs_ref = self.config.objective == "rl" and self.config.policy_loss.kl_coef > 0
+        if needs_ref and not all(s.ref_logprobs for s in samples):
+            raise ValueError("policy_loss.kl_coef > 0 but some samples carry no ref_logprobs; compute the reference "
+                             "log-probs for every sample or set kl_coef=0")
 
     def export_weights(self, out_dir: str | Path, bucket_bytes: int) -> list[WeightBucket]:
         """Write the full weights as safetensors buckets of about `bucket_bytes` (a collective).

@@ -124,6 +124,10 @@ def test_one_and_two_ranks_train_and_agree(model_dir: Path, tmp_path: Path) -> N
         for a, b in zip(m1, m2):
             assert a.loss == pytest.approx(b.loss, rel=1e-5)
             assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4)
+            # the metrics are summed per micro-batch and all-reduced once: the same whatever the split
+            for name in ("pg_loss", "logprob_abs_diff", "rollout_kl_k3", "entropy"):
+                assert getattr(a, name) == pytest.approx(getattr(b, name), rel=1e-5), name
+            assert a.tis_truncated_fraction == pytest.approx(b.tis_truncated_fraction, abs=1.5 / a.num_trained_tokens)
         assert w1.keys() == w2.keys()
         for name in w1:
             torch.testing.assert_close(w1[name], w2[name], rtol=0, atol=5e-5, msg=name)  # measured: 2e-6

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
 from miles_async.models import CausalLM, ModelConfig
+from miles_async.rl import PolicyLossConfig
 from miles_async.trainer.config import TrainerConfig
-from miles_async.trainer.loss import policy_loss_sum, token_logprobs
+from miles_async.trainer.loss import LOSS_SUM_NAMES, attach_logprobs, micro_batch_loss, step_denominator
 from miles_async.trainer.packing import (
     TrainSample,
     assign_to_ranks,
@@ -83,14 +85,70 @@ def test_every_rank_runs_the_same_number_of_micro_batches() -> None:
     assert [] in plans[0] or [] in plans[1]  # the lighter rank runs empty (dummy) micro-batches
 
 
-def test_placeholder_loss_is_masked_sft_with_unit_advantage() -> None:
-    logits_TV = torch.randn(4, 10)
-    targets_T = torch.tensor([1, 2, 3, 4])
-    logp_T = token_logprobs(logits_TV, targets_T)
-    torch.testing.assert_close(logp_T, -torch.nn.functional.cross_entropy(logits_TV, targets_T, reduction="none"))
-    mask_T = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    loss = policy_loss_sum(logp_T, torch.zeros(4), torch.ones(4), mask_T)
-    torch.testing.assert_close(loss, -(logp_T * mask_T).sum())
+def tiny_model() -> CausalLM:
+    config = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True)
+    torch.manual_seed(0)
+    return CausalLM(config)
+
+
+def reference_logprobs(model: CausalLM, samples: list[TrainSample]) -> list[torch.Tensor]:
+    """log p(token i | tokens < i) for i >= 1, one sample at a time, full float32 log_softmax."""
+    out = []
+    for s in samples:
+        logits_TV = model(torch.tensor([s.tokens]))[0, :-1].float()
+        out.append(torch.log_softmax(logits_TV, -1).gather(-1, torch.tensor(s.tokens[1:])[:, None])[:, 0])
+    return out
+
+
+def test_micro_batch_loss_matches_unpacked_sft_and_rl_losses() -> None:
+    model = tiny_model()
+    samples = [TrainSample(tokens=[3, 4, 5, 6, 7], loss_mask=[0, 0, 1, 1, 1], rollout_logprobs=[0.0] + [-4.0] * 4,
+                           advantage=1.5),
+               TrainSample(tokens=[8, 9, 10], loss_mask=[0, 1, 1], rollout_logprobs=[0.0, -3.0, -5.0], advantage=-0.5)]
+    batch = pack(samples)
+    with torch.no_grad():
+        ref = reference_logprobs(model, samples)
+    masks = [torch.tensor(s.loss_mask[1:], dtype=torch.float32) for s in samples]
+    for aggregation in ("token", "sequence"):
+        sft_cfg = TrainerConfig(model_dir="m", objective="sft", logprob_chunk_tokens=3,
+                                policy_loss=PolicyLossConfig(aggregation=aggregation))
+        attach_logprobs(model, sft_cfg)
+        denominator = step_denominator(sft_cfg, [num_trained_tokens(s) for s in samples])
+        assert denominator == (5 if aggregation == "token" else 2)
+        out = micro_batch_loss(model, batch, sft_cfg, denominator, torch.device("cpu"))
+        if aggregation == "token":
+            expected = -sum((lp * m).sum() for lp, m in zip(ref, masks)) / 5
+        else:
+            expected = -sum((lp * m).sum() / m.sum() for lp, m in zip(ref, masks)) / 2
+        torch.testing.assert_close(out.loss.detach(), expected)
+        assert len(out.sums_K) == len(LOSS_SUM_NAMES) and out.sums_K[0] == 5  # trained tokens
+    # RL, token mean: -A * TIS weight min(exp(logp - rollout), cap) (ratio 1 at the step's own weights)
+    rl_cfg = TrainerConfig(model_dir="m", policy_loss=PolicyLossConfig(tis_cap=1.5))
+    attach_logprobs(model, rl_cfg)
+    out = micro_batch_loss(model, batch, rl_cfg, 5, torch.device("cpu"))
+    expected = 0.0
+    for s, lp, m in zip(samples, ref, masks):
+        weight = torch.clamp(torch.exp(lp - torch.tensor(s.rollout_logprobs[1:])), max=1.5)
+        expected = expected - (s.advantage * weight * m).sum() / 5
+    torch.testing.assert_close(out.loss.detach(), expected)
+    sums = dict(zip(LOSS_SUM_NAMES, out.sums_K.tolist()))
+    gaps = torch.cat([(lp - torch.tensor(s.rollout_logprobs[1:]))[m > 0] for s, lp, m in zip(samples, ref, masks)])
+    assert sums["logprob_abs_diff"] == pytest.approx(float(gaps.abs().sum()), rel=1e-5)
+    assert sums["tis_truncated"] == float((gaps.exp() > 1.5).sum())
+    assert sums["entropy"] > 0 and sums["loss"] == pytest.approx(float(expected), rel=1e-5)
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_ref_logprobs_are_packed_like_the_rollouts() -> None:
+    with_ref = TrainSample(tokens=[1, 2, 3], loss_mask=[0, 1, 1], rollout_logprobs=[0.0] * 3, ref_logprobs=[0, -1, -2])
+    assert pack([with_ref, with_ref]).ref_logprobs_T.tolist() == [-1, -2, 0, -1, -2, 0]
+    assert pack([sample([1, 2], [0, 1])]).ref_logprobs_T is None
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        pack([with_ref, sample([1, 2], [0, 1])])
+    with pytest.raises(ValueError, match="ref_logprobs has 2 entries"):
+        TrainSample(tokens=[1, 2, 3], loss_mask=[0, 1, 1], rollout_logprobs=[0.0] * 3, ref_logprobs=[0, 1]).check()
 
 
 def test_config_refuses_bad_values() -> None:
@@ -99,6 +157,15 @@ def test_config_refuses_bad_values() -> None:
         TrainerConfig(model_dir="m", micro_batch_tokens=0)
     with pytest.raises(ValueError, match="backend"):
         TrainerConfig(model_dir="m", backend="mpi")
+    with pytest.raises(ValueError, match="objective"):
+        TrainerConfig(model_dir="m", objective="dpo")
+    with pytest.raises(ValueError, match="old_logprobs"):
+        TrainerConfig(model_dir="m", old_logprobs="ref")
+    with pytest.raises(ValueError, match="temperature"):
+        TrainerConfig(model_dir="m", temperature=0.0)
+    config = msgspec.toml.decode(b'model_dir = "m"\n[policy_loss]\ntis_cap = 5.0\naggregation = "sequence"\n',
+                                 type=TrainerConfig)
+    assert (config.policy_loss.tis_cap, config.policy_loss.aggregation) == (5.0, "sequence")
 
 
 def test_packed_routed_experts_are_replayed() -> None:

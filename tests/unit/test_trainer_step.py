@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.profiler import ProfilerActivity, profile
 
 from miles_async.actors.trainer import TrainerRank
 from miles_async.models import init_model, load_pretrained
+from miles_async.rl import PolicyLossConfig
 from miles_async.trainer import checkpoint
 from miles_async.trainer.config import TrainerConfig
 from miles_async.trainer.fsdp import ENV_KEYS, RankEnv, free_port, init_distributed
@@ -61,7 +65,11 @@ def test_steps_lower_the_loss_and_report_metrics(trainer: Trainer) -> None:
     assert first.num_micro_batches == 3  # 16-token budget: 10 | 7 | 12
     assert first.grad_norm > 0 and first.tokens_per_s > 0 and first.mean_reward == pytest.approx(29 / 3)
     # the trainer's log-probs are far from the fake rollout's -5.0: the gap is reported
-    assert first.logprob_abs_diff > 0
+    assert first.logprob_abs_diff > 0 and first.rollout_kl_k3 > 0
+    assert first.entropy > 5.0  # a random init is close to uniform over the 512 tokens (ln 512 = 6.24)
+    # ratio 1 at the step's own weights: nothing clipped; TIS reweights (loss = -mean weight)
+    assert first.clip_fraction == first.dual_clip_fraction == 0.0 and first.kl == 0.0
+    assert first.loss == first.pg_loss < 0
     assert trainer.weight_version == metrics[-1].weight_version and trainer.data_cursor == 2
     with pytest.raises(ValueError, match="at least one sample"):
         trainer.train_step([])
@@ -130,3 +138,76 @@ def test_a_non_finite_gradient_skips_the_update(trainer: Trainer) -> None:
     assert metrics.skipped and trainer.weight_version == version == metrics.weight_version
     after = trainer.full_state()
     assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_loss_modes_sft_rollout_anchor_kl_and_tis_metrics(trainer: Trainer) -> None:
+    folder = trainer.config.model_dir
+    samples = batch()
+
+    def fresh(**overrides: object) -> Trainer:
+        return Trainer(TrainerConfig(model_dir=folder, lr=1e-3, micro_batch_tokens=16, **overrides), trainer.device)
+
+    # SFT: mean cross-entropy of the trained tokens, which training lowers; the rollouts are not read.
+    sft = fresh(objective="sft")
+    model = load_pretrained(folder)
+    with torch.no_grad():
+        nll = torch.cat([-torch.log_softmax(model(torch.tensor([s.tokens]))[0, :-1], -1)
+                         .gather(-1, torch.tensor(s.tokens[1:])[:, None])[:, 0][torch.tensor(s.loss_mask[1:]) > 0]
+                         for s in samples])
+    first = sft.train_step(samples)
+    assert first.loss == pytest.approx(float(nll.mean()), rel=1e-5)
+    assert sft.train_step(samples).loss < first.loss
+
+    # The rollout's log-probs as the PPO anchor: a rollout 1.0 nat below the trainer's makes
+    # every ratio e > 1 + eps, so positive advantages are clipped everywhere.
+    with torch.no_grad():
+        scored = []
+        for s in samples:
+            logp_T = torch.log_softmax(model(torch.tensor([s.tokens]))[0, :-1], -1).gather(
+                -1, torch.tensor(s.tokens[1:])[:, None])[:, 0]
+            scored.append(msgspec.structs.replace(s, rollout_logprobs=[0.0, *(logp_T - 1.0).tolist()],
+                                                  ref_logprobs=[0.0, *(logp_T - 0.5).tolist()]))
+    anchored = fresh(old_logprobs="rollout").train_step(scored)
+    assert anchored.clip_fraction == 1.0 and anchored.tis_truncated_fraction == 0.0
+    assert anchored.logprob_abs_diff == pytest.approx(1.0, rel=1e-4)
+    assert anchored.rollout_kl_k3 == pytest.approx(math.e - 2.0, rel=1e-3)  # r - 1 - log r at log r = 1
+
+    # The default anchor with a TIS cap below e: every weight truncated; KL to the reference.
+    tis = fresh(policy_loss=PolicyLossConfig(tis_cap=2.0, kl_coef=0.1)).train_step(scored)
+    assert tis.tis_truncated_fraction == 1.0 and tis.clip_fraction == 0.0
+    assert tis.kl == pytest.approx(math.exp(-0.5) - 0.5, rel=1e-3)  # k3 = r - 1 - log r at log r = -0.5
+    assert tis.pg_loss == pytest.approx(-2.0, rel=1e-5)  # advantage 1 x capped weight 2
+    assert tis.loss == pytest.approx(tis.pg_loss + 0.1 * tis.kl, rel=1e-6)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        fresh(policy_loss=PolicyLossConfig(kl_coef=0.1)).train_step(samples)
+    # The entropy bonus (token aggregation: its part is the reported mean entropy).
+    bonus = fresh(policy_loss=PolicyLossConfig(entropy_coef=0.01)).train_step(samples)
+    assert bonus.loss == pytest.approx(bonus.pg_loss - 0.01 * bonus.entropy, rel=1e-6) and bonus.grad_norm > 0
+
+
+def test_the_step_holds_log_prob_chunks_not_full_logits(trainer: Trainer) -> None:
+    gen = torch.Generator().manual_seed(3)
+    samples = [TrainSample(tokens=torch.randint(1, 500, (256,), generator=gen).tolist(), loss_mask=[0] + [1] * 255,
+                           rollout_logprobs=[-6.0] * 256, advantage=1.0) for _ in range(2)]
+    num_tokens, vocab = 512, 512
+
+    def peak_bytes(chunk_tokens: int) -> int:
+        step = Trainer(TrainerConfig(model_dir=trainer.config.model_dir, micro_batch_tokens=num_tokens,
+                                     logprob_chunk_tokens=chunk_tokens), trainer.device)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step.train_step(samples)
+        # the allocator's running total at each allocation event (private API, as in test_kernels_logprobs)
+        totals, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            if isinstance(node.extra_fields, torch._C._profiler._ExtraFields_Allocation):
+                totals.append(node.extra_fields.total_allocated)
+            stack.extend(node.children)
+        return max(totals)
+
+    logits_bytes = num_tokens * vocab * 4
+    chunked, whole = peak_bytes(64), peak_bytes(num_tokens)
+    print(f"\ntrain step peak: chunks of 64 tokens {chunked / 1e6:.1f} MB, one chunk of {num_tokens} "
+          f"{whole / 1e6:.1f} MB; one fp32 [T, V] logits {logits_bytes / 1e6:.1f} MB")
+    # one chunk of every token holds two full [T, V] float32 buffers at its peak; chunks of 64 do not
+    assert chunked < whole - logits_bytes
