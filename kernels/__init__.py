@@ -1,8 +1,10 @@
 """Numerics (installed as `miles_async.kernels`).
 
 - `logprobs`: per-token log-probs and entropy from hidden states (or logits), in chunks of tokens.
+- `batch_invariant`: linear, attention, silu and log-probs whose per-row result does not depend on
+  the rest of the batch (true on-policy mode: the engine's log-probs equal the trainer's).
 
-Still to come: batch-invariant ops, quantizers (FP8 blockwise, MXFP8, NVFP4, INT4) and routing
+Still to come: quantizers (FP8 blockwise, MXFP8, NVFP4, INT4) and routing
 capture/replay. It is a leaf: it imports torch (and Triton lazily) and nothing of ours (DESIGN.md,
 "Who may import whom").
 """

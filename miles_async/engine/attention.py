@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_async.engine.kv_cache import KVCache
+from miles_async.kernels import batch_invariant
 
 # A decode bucket closes when the next (shorter) request would waste more than this fraction of
 # the bucket's padded positions, unless the bucket is still small (a call costs ~50 us itself).
@@ -54,6 +55,7 @@ class AttentionGroup:
     valid_GQ: torch.Tensor | None  # which queries are real (None: all)
     out_index_V: torch.Tensor  # packed rows of the real queries, in valid_GQ order
     num_positions: int  # S
+    q_pos_GQ: torch.Tensor  # each query's position (padding at 0), for the batch-invariant kernel
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +138,7 @@ def _group(chunks: Sequence[ScheduledChunk], offsets: list[int], rows: list[int]
         valid_GQ=None if all_valid else valid_GQ,
         out_index_V=q_index_GQ.flatten() if all_valid else q_index_GQ[valid_GQ],
         num_positions=num_positions,
+        q_pos_GQ=q_pos_GQ,
     )
 
 
@@ -143,13 +146,17 @@ class PagedAttention:
     """`AttentionBackend` (miles_async.models.attention) over the engine's KV blocks, for one step.
 
     The model calls it once per layer with the packed row's q/k/v (rotary applied); batch size is
-    1. The gather buffers are the engine's, reused from step to step.
+    1. The gather buffers are the engine's, reused from step to step. `batch_invariant=True`
+    (true on-policy mode) attends with `kernels.batch_invariant.attention` instead of SDPA: the
+    gathered layout already holds each key at its position, as that kernel wants.
     """
 
-    def __init__(self, cache: KVCache, plan: StepPlan, workspace: GatherWorkspace) -> None:
+    def __init__(self, cache: KVCache, plan: StepPlan, workspace: GatherWorkspace, *,
+                 batch_invariant: bool = False) -> None:
         self._cache = cache
         self._plan = plan
         self._workspace = workspace
+        self._batch_invariant = batch_invariant
 
     def __call__(self, layer_idx: int, q_BTNH: torch.Tensor, k_BTKH: torch.Tensor, v_BTKH: torch.Tensor,
                  positions_BT: torch.Tensor) -> torch.Tensor:
@@ -169,9 +176,13 @@ class PagedAttention:
             v_F = self._workspace.gather(1, v_blocks, group.blocks_F)
             k_GKSH = k_F.view(num_rows, num_positions, num_kv_heads, head_dim).transpose(1, 2)
             v_GKSH = v_F.view(num_rows, num_positions, num_kv_heads, head_dim).transpose(1, 2)
-            o_GNQH = F.scaled_dot_product_attention(
-                q_GNQH, k_GKSH.to(q_GNQH.dtype), v_GKSH.to(q_GNQH.dtype),
-                attn_mask=group.mask_G1QS.to(q_GNQH.dtype), enable_gqa=gqa)
+            if self._batch_invariant:
+                o_GNQH = batch_invariant.attention(q_GNQH, k_GKSH.to(q_GNQH.dtype), v_GKSH.to(q_GNQH.dtype),
+                                                   group.q_pos_GQ)
+            else:
+                o_GNQH = F.scaled_dot_product_attention(
+                    q_GNQH, k_GKSH.to(q_GNQH.dtype), v_GKSH.to(q_GNQH.dtype),
+                    attn_mask=group.mask_G1QS.to(q_GNQH.dtype), enable_gqa=gqa)
             o_GQNH = o_GNQH.transpose(1, 2)
             real = o_GQNH.flatten(0, 1) if group.valid_GQ is None else o_GQNH[group.valid_GQ]
             out_TNH.index_copy_(0, group.out_index_V, real)

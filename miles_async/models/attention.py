@@ -22,6 +22,8 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from miles_async.kernels import batch_invariant
+
 
 @runtime_checkable
 class AttentionBackend(Protocol):
@@ -37,12 +39,16 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-def sample_ids(positions_BT: torch.Tensor) -> torch.Tensor:
-    """Number the packed samples of each row (from 1): a new one starts where positions stop being
-    consecutive."""
+def sample_starts(positions_BT: torch.Tensor) -> torch.Tensor:
+    """True where a packed sample starts: where positions stop being consecutive."""
     starts_BT = torch.ones_like(positions_BT, dtype=torch.bool)
     starts_BT[:, 1:] = positions_BT[:, 1:] != positions_BT[:, :-1] + 1
-    return torch.cumsum(starts_BT.to(torch.int64), dim=1)
+    return starts_BT
+
+
+def sample_ids(positions_BT: torch.Tensor) -> torch.Tensor:
+    """Number the packed samples of each row (from 1)."""
+    return torch.cumsum(sample_starts(positions_BT).to(torch.int64), dim=1)
 
 
 def packed_causal_mask(positions_BT: torch.Tensor) -> torch.Tensor | None:
@@ -70,9 +76,14 @@ class DenseCausalAttention:
     A row that is one sample uses SDPA's built-in causal path; packed rows build the mask from
     `positions_BT` (see the module docstring). The mask is built once per forward: every layer
     gets the same positions tensor, so the last one's mask is kept.
+
+    `batch_invariant=True` (true on-policy mode) attends each sample on its own with
+    `kernels.batch_invariant.attention`, whose result for a query does not depend on the rest of
+    the call; a sample must then start at position 0 to line up with the engine's KV cache.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
         self._positions_BT: torch.Tensor | None = None
         self._mask_B1TT: torch.Tensor | None = None
 
@@ -89,6 +100,8 @@ class DenseCausalAttention:
         v_BTKH: torch.Tensor,
         positions_BT: torch.Tensor,
     ) -> torch.Tensor:
+        if self.batch_invariant:
+            return batch_invariant.packed_causal_attention(q_BTNH, k_BTKH, v_BTKH, sample_starts(positions_BT))
         num_heads = q_BTNH.shape[2]
         k_BTNH, v_BTNH = expand_kv(k_BTKH, num_heads), expand_kv(v_BTKH, num_heads)
         mask_B1TT = self.mask_for(positions_BT)

@@ -23,9 +23,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from miles_async.kernels import batch_invariant
 from miles_async.models.attention import AttentionBackend, DenseCausalAttention
 from miles_async.models.config import ModelConfig
 from miles_async.models.rope import Rotary, apply_rotary
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters and names) that can run batch-invariant (true on-policy mode)."""
+
+    batch_invariant = False  # set per module by CausalLM.set_batch_invariant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return batch_invariant.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -49,11 +61,11 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         bias = config.attention_bias
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
+        self.q_proj = Linear(config.hidden_size, q_width, bias=bias)
+        self.k_proj = Linear(config.hidden_size, kv_width, bias=bias)
+        self.v_proj = Linear(config.hidden_size, kv_width, bias=bias)
         # Qwen2's attention_bias covers q/k/v only; Llama's and Qwen3's cover o_proj too.
-        self.o_proj = nn.Linear(q_width, config.hidden_size, bias=bias and config.family != "qwen2")
+        self.o_proj = Linear(q_width, config.hidden_size, bias=bias and config.family != "qwen2")
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -80,14 +92,17 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
+    batch_invariant = False  # set by CausalLM.set_batch_invariant: torch's fused silu is not
+
     def __init__(self, hidden_size: int, width: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, width, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, width, bias=bias)
-        self.down_proj = nn.Linear(width, hidden_size, bias=bias)
+        self.gate_proj = Linear(hidden_size, width, bias=bias)
+        self.up_proj = Linear(hidden_size, width, bias=bias)
+        self.down_proj = Linear(width, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        act = batch_invariant.silu if self.batch_invariant else F.silu
+        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class SparseMoE(nn.Module):
@@ -212,15 +227,28 @@ class CausalLM(nn.Module):
     `model.model(input_ids_BT, positions_BT, attn, routed_experts)` returns (h_BTD, experts per
     MoE layer) before `lm_head`, for callers that need logits at a few positions only (an engine's
     prefill keeps only its last token's).
+
+    True on-policy mode (`batch_invariant=True`, or `set_batch_invariant(True)` later): every
+    linear, the MLP activation and the default attention run through `kernels.batch_invariant`,
+    so a token's logits are bit for bit the same whatever else shares the batch; the embedded
+    engine's paged attention follows the same rule (`EngineConfig(batch_invariant=True)`).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, *, batch_invariant: bool = False) -> None:
         super().__init__()
         self.config = config
         self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.set_batch_invariant(batch_invariant)
+
+    def set_batch_invariant(self, enabled: bool = True) -> None:
+        """Switch true on-policy mode on or off (module flags only; weights untouched)."""
+        self.batch_invariant = enabled
+        for module in self.modules():
+            if isinstance(module, (Linear, MLP)):
+                module.batch_invariant = enabled
 
     def forward(
         self,
@@ -235,7 +263,8 @@ class CausalLM(nn.Module):
         if not self.config.is_moe:
             routed_experts = None
         # A fresh default backend per call: it keeps the packed mask for this forward's layers only.
-        h_BTD, used = self.model(input_ids_BT, positions_BT, attn or DenseCausalAttention(), routed_experts)
+        attn = attn or DenseCausalAttention(batch_invariant=self.batch_invariant)
+        h_BTD, used = self.model(input_ids_BT, positions_BT, attn, routed_experts)
         logits_BTV = self.lm_head(h_BTD)
         if not return_routed_experts:
             return logits_BTV
