@@ -50,6 +50,11 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     old_logprobs: Literal["trainer", "rollout"] = "trainer"
     temperature: float = 1.0
     logprob_chunk_tokens: int = 512  # rows of [tokens, vocab] logits alive at once (kernels.logprobs)
+    # True on-policy mode: batch-invariant kernels, so the trainer's log-probs equal those of an
+    # engine run with EngineConfig(batch_invariant=True) bit for bit. Log-probs then come from the
+    # full logits of each micro-batch, as the engine computes them (the chunked kernel rounds
+    # differently), so size micro_batch_tokens for [tokens, vocab] float32 logits.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.micro_batch_tokens < 1:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 
+from miles_async.kernels import batch_invariant
 from miles_async.kernels.logprobs import token_logprobs_from_hidden
 from miles_async.models import DenseCausalAttention
 from miles_async.rl import METRIC_SUM_NAMES, metric_sums, policy_loss, sft_loss
@@ -42,12 +43,20 @@ def attach_logprobs(model: nn.Module, config: TrainerConfig) -> None:
     """Give `model` (a CausalLM, sharded or not) the `token_logprobs` forward method (module docstring)."""
     temperature, chunk_tokens = config.temperature, config.logprob_chunk_tokens
 
+    exact = config.batch_invariant
+
     def token_logprobs(self: nn.Module, input_ids_1T: torch.Tensor, positions_1T: torch.Tensor,
                        targets_T: torch.Tensor,
                        routed_experts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        h_1TD, _ = self.model(input_ids_1T, positions_1T, DenseCausalAttention(), routed_experts)
-        logp_T, entropy_T = token_logprobs_from_hidden(h_1TD[0], self.lm_head.weight, targets_T,
-                                                       temperature=temperature, chunk_tokens=chunk_tokens)
+        attn = DenseCausalAttention(batch_invariant=exact)
+        h_1TD, _ = self.model(input_ids_1T, positions_1T, attn, routed_experts)
+        if exact:  # the engine's own arithmetic: full logits, log_softmax, gather
+            logp_TV = batch_invariant.log_softmax(self.lm_head(h_1TD[0]), temperature)
+            logp_T = logp_TV.gather(-1, targets_T[:, None]).squeeze(-1)
+            entropy_T = -(logp_TV.exp() * logp_TV).sum(-1)
+        else:
+            logp_T, entropy_T = token_logprobs_from_hidden(h_1TD[0], self.lm_head.weight, targets_T,
+                                                           temperature=temperature, chunk_tokens=chunk_tokens)
         # The kernel returns views (a reshape); FSDP2 hooks its pre-backward on the outputs and
         # warns about views, so hand it fresh tensors ([T] floats: nothing to speak of).
         return logp_T.clone(), entropy_T.clone()

@@ -82,6 +82,8 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(config.seed)
         model = load_pretrained(config.model_dir, dtype=DTYPES[config.dtype], device=device)
+        if config.batch_invariant:
+            model.set_batch_invariant(True)  # before sharding: the flags live on the modules
         model.train()
         self.model = shard_model(model, device)
         attach_logprobs(self.model, config)
