@@ -197,15 +197,17 @@ class TrainerGroup:
         self.refs = refs
 
     @classmethod
-    async def spawn(cls, system: ActorSystem, config: TrainerConfig, world_size: int, *,
+    async def spawn(cls, system: ActorSystem, config: TrainerConfig, world_size: int | None = None, *,
                     name: str = "trainer", rank_cls: type[TrainerRank] = TrainerRank,
                     master_addr: str = "127.0.0.1", master_port: int | None = None,
                     restart: RestartPolicy | None = None) -> TrainerGroup:
-        """Spawn `world_size` ranks, each in its own process, named `<name>-<rank>`.
+        """Spawn `world_size` ranks (default: `config.world_size`), each in its own process,
+        named `<name>-<rank>`.
 
         They are spawned concurrently: each rank's `on_start` waits in the rendezvous for the
         others. Raises `SpawnError` if any rank fails to start.
         """
+        world_size = config.world_size if world_size is None else world_size
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         port = master_port or free_port(master_addr)

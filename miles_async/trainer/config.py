@@ -29,6 +29,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     model_dir: str
+    world_size: int = 1  # trainer ranks, one process each (TrainerGroup.spawn)
     lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -57,6 +58,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         if self.backend not in ("auto", "gloo", "nccl"):
