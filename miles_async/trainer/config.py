@@ -6,7 +6,7 @@ from typing import Literal
 
 import msgspec
 
-from miles_async.rl import PolicyLossConfig
+from miles_async.rl import AdvantageConfig, PolicyLossConfig
 
 OBJECTIVES: tuple[str, ...] = ("rl", "sft")
 OLD_LOGPROBS: tuple[str, ...] = ("trainer", "rollout")
@@ -48,6 +48,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     process_group_timeout_s: float = 120.0
     objective: Literal["rl", "sft"] = "rl"
     policy_loss: PolicyLossConfig = PolicyLossConfig()
+    # None: each sample's `advantage` is used as given. Set: the trainer computes advantages from
+    # the rewards of each group of samples (TrainSample.group) with this estimator.
+    advantage: AdvantageConfig | None = None
     old_logprobs: Literal["trainer", "rollout"] = "trainer"
     temperature: float = 1.0
     logprob_chunk_tokens: int = 512  # rows of [tokens, vocab] logits alive at once (kernels.logprobs)

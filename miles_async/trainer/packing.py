@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
+from miles_async.rl import AdvantageConfig, compute_advantages
+
 
 class TrainSample(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """One trajectory as the trainer consumes it (plain lists: it rides in messages).
@@ -33,6 +35,8 @@ class TrainSample(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     engine never forwarded); empty means the trainer's router chooses.
     `ref_logprobs` (optional) is a reference policy's log-prob of each token, for the KL term;
     empty means none (all samples of a batch carry them or none do).
+    `group` numbers the prompt a sample answers: with `TrainerConfig.advantage` set, advantages
+    come from the rewards of each group (`with_group_advantages`).
     """
 
     tokens: list[int]
@@ -43,6 +47,7 @@ class TrainSample(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     weight_version: int = 0
     routed_experts: bytes = b""
     ref_logprobs: list[float] = []
+    group: int = -1  # samples of one prompt share it (group-relative advantages); -1: none
 
     def check(self) -> None:
         """Raise ValueError naming the field whose length does not match `tokens`."""
@@ -222,3 +227,27 @@ def plan_micro_batches(samples: list[TrainSample], rank: int, world_size: int,
     num_micro = max(1, max(len(plan) for plan in plans))
     mine = [[samples[per_rank[rank][j]] for j in group] for group in plans[rank]]
     return mine + [[] for _ in range(num_micro - len(mine))]
+
+
+def with_group_advantages(samples: list[TrainSample], config: AdvantageConfig) -> list[TrainSample]:
+    """The samples with `advantage` computed from the rewards of their group (`TrainSample.group`).
+
+    Every sample needs a group and every group the same number of samples (GRPO's n per prompt).
+    """
+    groups: dict[int, list[int]] = {}
+    for i, sample in enumerate(samples):
+        if sample.group < 0:
+            raise ValueError(f"sample {i} has no group (TrainSample.group = {sample.group}); group-relative "
+                             "advantages need every sample's group, or leave TrainerConfig.advantage unset")
+        groups.setdefault(sample.group, []).append(i)
+    sizes = sorted({len(members) for members in groups.values()})
+    if len(sizes) != 1:
+        raise ValueError(f"every group needs the same number of samples for advantages, got sizes {sizes}")
+    members_GS = list(groups.values())
+    rewards_GS = torch.tensor([[samples[i].reward for i in m] for m in members_GS], dtype=torch.float64)
+    advantages_GS = compute_advantages(rewards_GS, config)
+    out = list(samples)
+    for g, members in enumerate(members_GS):
+        for s, i in enumerate(members):
+            out[i] = msgspec.structs.replace(samples[i], advantage=float(advantages_GS[g, s]))
+    return out

@@ -33,7 +33,13 @@ from miles_async.trainer import checkpoint
 from miles_async.trainer.config import TrainerConfig
 from miles_async.trainer.fsdp import full_tensor, shard_model
 from miles_async.trainer.loss import LOSS_SUM_NAMES, attach_logprobs, micro_batch_loss, step_denominator
-from miles_async.trainer.packing import TrainSample, num_trained_tokens, pack, plan_micro_batches
+from miles_async.trainer.packing import (
+    TrainSample,
+    num_trained_tokens,
+    pack,
+    plan_micro_batches,
+    with_group_advantages,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -99,6 +105,8 @@ class Trainer:
     def train_step(self, samples: list[TrainSample], data_cursor: int | None = None) -> StepMetrics:
         """One optimizer step on the global batch `samples`; every rank must call it with the same."""
         self._check_batch(samples)
+        if self.config.advantage is not None:
+            samples = with_group_advantages(samples, self.config.advantage)
         start = time.perf_counter()
         trained_per_sample = [num_trained_tokens(s) for s in samples]
         denominator = step_denominator(self.config, trained_per_sample)

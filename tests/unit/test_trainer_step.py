@@ -16,11 +16,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from miles_async.actors.trainer import TrainerRank
 from miles_async.models import init_model, load_pretrained
-from miles_async.rl import PolicyLossConfig
+from miles_async.rl import AdvantageConfig, PolicyLossConfig
 from miles_async.trainer import checkpoint
 from miles_async.trainer.config import TrainerConfig
 from miles_async.trainer.fsdp import ENV_KEYS, RankEnv, free_port, init_distributed
-from miles_async.trainer.packing import TrainSample, experts_bytes
+from miles_async.trainer.packing import TrainSample, experts_bytes, with_group_advantages
 from miles_async.trainer.step import Trainer
 
 
@@ -211,3 +211,25 @@ def test_the_step_holds_log_prob_chunks_not_full_logits(trainer: Trainer) -> Non
           f"{whole / 1e6:.1f} MB; one fp32 [T, V] logits {logits_bytes / 1e6:.1f} MB")
     # one chunk of every token holds two full [T, V] float32 buffers at its peak; chunks of 64 do not
     assert chunked < whole - logits_bytes
+
+
+def test_group_relative_advantages_come_from_the_rewards(trainer: Trainer) -> None:
+    gen = torch.Generator().manual_seed(3)
+
+    def sample(group: int, reward: float) -> TrainSample:
+        tokens = torch.randint(1, 250, (8,), generator=gen).tolist()
+        return TrainSample(tokens=tokens, loss_mask=[0, 0] + [1] * 6, rollout_logprobs=[-5.0] * 8,
+                           reward=reward, group=group)
+
+    samples = [sample(0, 1.0), sample(1, 0.5), sample(0, 0.0), sample(1, 0.5)]
+    grpo = AdvantageConfig(estimator="grpo", normalize_std=False)
+    assert [s.advantage for s in with_group_advantages(samples, grpo)] == [0.5, 0.0, -0.5, 0.0]
+    with pytest.raises(ValueError, match="same number of samples"):
+        with_group_advantages(samples[:3], grpo)
+    with pytest.raises(ValueError, match="has no group"):
+        with_group_advantages([*samples, sample(-1, 1.0)], grpo)
+    # In a step: a group whose rewards are all equal teaches nothing, so only its loss is zero.
+    config = TrainerConfig(model_dir=trainer.config.model_dir, lr=1e-3, micro_batch_tokens=16, advantage=grpo)
+    flat = Trainer(config, trainer.device).train_step([samples[1], samples[3]])
+    assert flat.pg_loss == 0.0 and flat.grad_norm == 0.0
+    assert Trainer(config, trainer.device).train_step(samples).grad_norm > 0.0
