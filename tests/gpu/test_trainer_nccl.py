@@ -1,0 +1,58 @@
+"""The trainer on CUDA over NCCL: one rank, FSDP2, a few steps and a weight export.
+
+GPU only: skipped, with the reason, where no CUDA GPU (or no NCCL) is available.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from miles_async.models import init_model
+from miles_async.trainer.config import TrainerConfig
+from miles_async.trainer.fsdp import ENV_KEYS, RankEnv, free_port, init_distributed
+from miles_async.trainer.packing import TrainSample
+from miles_async.trainer.step import Trainer
+
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU and none is visible"
+    if not dist.is_nccl_available():
+        return "this torch build has no NCCL"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+
+
+@pytest.fixture
+def nccl_rank() -> Iterator[torch.device]:
+    with pytest.MonkeyPatch.context() as env:
+        for key in ENV_KEYS:
+            env.setenv(key, "")
+        RankEnv("127.0.0.1", free_port(), 0, 1, 0).export()
+        device = init_distributed("nccl", timeout_s=60)
+        try:
+            yield device
+        finally:
+            dist.destroy_process_group()
+
+
+def test_nccl_rank_trains_and_exports(nccl_rank: torch.device, tmp_path: Path) -> None:
+    assert nccl_rank.type == "cuda"
+    folder = init_model("qwen3", "tiny", tmp_path / "tiny")
+    config = TrainerConfig(model_dir=str(folder), lr=1e-3, micro_batch_tokens=32, backend="nccl")
+    trainer = Trainer(config, nccl_rank)
+    gen = torch.Generator().manual_seed(0)
+    samples = [TrainSample(tokens=torch.randint(1, 250, (n,), generator=gen).tolist(),
+                           loss_mask=[0, 0] + [1] * (n - 2), rollout_logprobs=[-5.0] * n, advantage=1.0)
+               for n in (12, 9, 20)]
+    losses = [trainer.train_step(samples).loss for _ in range(3)]
+    assert losses[2] < losses[0]
+    buckets = trainer.export_weights(tmp_path / "weights", 64 << 10)
+    assert buckets and all(Path(b.path).exists() for b in buckets)
