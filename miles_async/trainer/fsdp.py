@@ -5,15 +5,16 @@ Rendezvous reads MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK from 
 when CUDA is there. Sharding is FSDP2's `fully_shard` on every decoder block, then on the root,
 so that the embedding, final norm and (tied) lm_head form the root's group.
 
-Try it (one process): `MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0`
-then `device = init_distributed("gloo"); shard_model(model, device)`.
+Try it (one process): `with single_process_group("gloo") as device: shard_model(model, device)`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,30 @@ def init_distributed(backend: str = "auto", timeout_s: float = 120.0) -> torch.d
         dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return device
+
+
+@contextlib.contextmanager
+def single_process_group(backend: str = "auto", timeout_s: float = 60.0) -> Iterator[torch.device]:
+    """A process group of this process alone (rank 0 of 1), for tools, notebooks and tests.
+
+    Sets the torchrun variables while it lasts and puts the previous ones back after.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("this process is already in a process group; leave it first")
+    saved = {key: os.environ.get(key) for key in ENV_KEYS}
+    RankEnv("127.0.0.1", free_port(), 0, 1, 0).export()
+    try:
+        device = init_distributed(backend, timeout_s)
+        try:
+            yield device
+        finally:
+            dist.destroy_process_group()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def shard_model(model: nn.Module, device: torch.device) -> nn.Module:

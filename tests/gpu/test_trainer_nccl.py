@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from miles_async.models import init_model
 from miles_async.trainer.config import TrainerConfig
-from miles_async.trainer.fsdp import ENV_KEYS, RankEnv, free_port, init_distributed
+from miles_async.trainer.fsdp import single_process_group
 from miles_async.trainer.packing import TrainSample
 from miles_async.trainer.step import Trainer
 
@@ -32,15 +32,8 @@ pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_rea
 
 @pytest.fixture
 def nccl_rank() -> Iterator[torch.device]:
-    with pytest.MonkeyPatch.context() as env:
-        for key in ENV_KEYS:
-            env.setenv(key, "")
-        RankEnv("127.0.0.1", free_port(), 0, 1, 0).export()
-        device = init_distributed("nccl", timeout_s=60)
-        try:
-            yield device
-        finally:
-            dist.destroy_process_group()
+    with single_process_group("nccl", timeout_s=60) as device:
+        yield device
 
 
 def test_nccl_rank_trains_and_exports(nccl_rank: torch.device, tmp_path: Path) -> None:

@@ -22,13 +22,12 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-import torch.distributed as dist
 
 from miles_async.engine import Engine, EngineConfig, GenerateRequest, SamplingParams, decode_routed_experts
 from miles_async.engine.server import encode_routed_experts
 from miles_async.models import init_model, load_pretrained
 from miles_async.trainer.config import TrainerConfig
-from miles_async.trainer.fsdp import ENV_KEYS, RankEnv, free_port, init_distributed
+from miles_async.trainer.fsdp import single_process_group
 from miles_async.trainer.packing import TrainSample, experts_bytes
 from miles_async.trainer.step import Trainer
 
@@ -101,16 +100,8 @@ def fp32_side(moe_dir: Path, samples: list[TrainSample], replay: bool) -> tuple[
 
 @pytest.fixture(scope="module")
 def one_rank() -> Iterator[torch.device]:
-    assert not dist.is_initialized()
-    with pytest.MonkeyPatch.context() as env:  # the torchrun variables live only as long as the group
-        for key in ENV_KEYS:
-            env.setenv(key, "")
-        RankEnv("127.0.0.1", free_port(), 0, 1, 0).export()
-        device = init_distributed("gloo", timeout_s=30)
-        try:
-            yield device
-        finally:
-            dist.destroy_process_group()
+    with single_process_group("gloo", timeout_s=30) as device:
+        yield device
 
 
 def test_replay_makes_the_float32_trainer_route_as_the_bfloat16_engine(

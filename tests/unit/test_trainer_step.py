@@ -10,7 +10,6 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.profiler import ProfilerActivity, profile
 
@@ -19,7 +18,7 @@ from miles_async.models import init_model, load_pretrained
 from miles_async.rl import AdvantageConfig, PolicyLossConfig
 from miles_async.trainer import checkpoint
 from miles_async.trainer.config import TrainerConfig
-from miles_async.trainer.fsdp import ENV_KEYS, RankEnv, free_port, init_distributed
+from miles_async.trainer.fsdp import RankEnv, single_process_group
 from miles_async.trainer.packing import TrainSample, experts_bytes, with_group_advantages
 from miles_async.trainer.step import Trainer
 
@@ -27,16 +26,8 @@ from miles_async.trainer.step import Trainer
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainer]:
     folder = init_model("qwen3", "tiny", tmp_path_factory.mktemp("model") / "tiny")
-    assert not dist.is_initialized()
-    with pytest.MonkeyPatch.context() as env:  # the torchrun variables live only as long as the group
-        for key in ENV_KEYS:
-            env.setenv(key, "")
-        RankEnv("127.0.0.1", free_port(), 0, 1, 0).export()
-        device = init_distributed("gloo", timeout_s=30)
-        try:
-            yield Trainer(TrainerConfig(model_dir=str(folder), lr=1e-3, micro_batch_tokens=16), device)
-        finally:
-            dist.destroy_process_group()
+    with single_process_group("gloo", timeout_s=30) as device:
+        yield Trainer(TrainerConfig(model_dir=str(folder), lr=1e-3, micro_batch_tokens=16), device)
 
 
 def batch() -> list[TrainSample]:

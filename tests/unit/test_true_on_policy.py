@@ -13,14 +13,13 @@ import asyncio
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 from miles_async.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
 from miles_async.kernels import batch_invariant
 from miles_async.models import init_model, load_pretrained
 from miles_async.trainer.config import TrainerConfig
-from miles_async.trainer.fsdp import ENV_KEYS, RankEnv, free_port, init_distributed
+from miles_async.trainer.fsdp import single_process_group
 from miles_async.trainer.packing import TrainSample
 from miles_async.trainer.step import Trainer
 
@@ -108,22 +107,16 @@ def test_default_mode_mismatch_is_small_but_not_zero(model_dir):
     assert 0.0 < worst < 1e-3, worst
 
 
-def test_the_trainer_step_reads_a_mismatch_of_exactly_zero(model_dir, monkeypatch):
+def test_the_trainer_step_reads_a_mismatch_of_exactly_zero(model_dir):
     """The real Trainer (FSDP2 on one gloo rank, packed micro-batches) in true on-policy mode."""
     all_prompts, results = rollouts(model_dir, True)
     samples = [TrainSample(tokens=prompt + ids, loss_mask=[0] * len(prompt) + [1] * len(ids),
                            rollout_logprobs=[0.0] * len(prompt) + list(logps), advantage=1.0)
                for prompt, (ids, logps) in zip(all_prompts, results)]
-    for key in ENV_KEYS:
-        monkeypatch.setenv(key, "")
-    RankEnv("127.0.0.1", free_port(), 0, 1, 0).export()
-    device = init_distributed("gloo", timeout_s=30)
-    try:
-        metrics = {}
+    metrics = {}
+    with single_process_group("gloo", timeout_s=30) as device:
         for mode in (True, False):
             config = TrainerConfig(model_dir=str(model_dir), micro_batch_tokens=256, batch_invariant=mode)
             metrics[mode] = Trainer(config, device).train_step(samples)
-    finally:
-        dist.destroy_process_group()
     assert metrics[True].logprob_abs_diff == 0.0 and metrics[True].rollout_kl_k3 == 0.0
     assert 0.0 < metrics[False].logprob_abs_diff < 1e-3
