@@ -61,31 +61,36 @@ def preset_config(family: str, preset: str, vocab_size: int) -> ModelConfig:
     return ModelConfig(family=family, vocab_size=vocab_size, **sizes, **extra)
 
 
-def init_weights(model: CausalLM, seed: int) -> None:
+def init_weights(model: CausalLM, seed: int, std: float = INIT_STD) -> None:
     """Fill every parameter in place, reproducibly from `seed` (independent of global RNG state)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * INIT_STD)
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
 
-def init_model(family: str, preset: str = "tiny", out_dir: str | Path = "models/tiny", seed: int = 0) -> Path:
+def init_model(family: str, preset: str = "tiny", out_dir: str | Path = "models/tiny", seed: int = 0,
+               init_std: float = INIT_STD) -> Path:
     """Write a random-init model of `family` and `preset` with its tokenizer into `out_dir`; return it.
 
-    Files already in `out_dir` with the same names are overwritten.
+    Files already in `out_dir` with the same names are overwritten. `init_std` is the standard
+    deviation of the weight matrices: at the usual 0.02 a tiny model's distributions are nearly
+    uniform and its greedy output repeats one token; tests that compare outputs use about 0.3.
     """
+    if not init_std > 0:
+        raise ValueError(f"init_std must be > 0, got {init_std}")
     preset_config(family, preset, vocab_size=1)  # refuse a bad family or preset before writing
     folder = Path(out_dir)
     tokenizer = write_tokenizer(folder)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     config = preset_config(family, preset, vocab_size)
     model = CausalLM(config)
-    init_weights(model, seed)
+    init_weights(model, seed, init_std)
     pad_id, eos_id = tokenizer.token_to_id(PAD_TOKEN), tokenizer.token_to_id(IM_END)
     token_ids = {"bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": pad_id}
     save_pretrained(model, folder, extra_config=token_ids)

@@ -19,7 +19,6 @@ import sys
 import aiohttp
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from miles_async.engine.client import EngineClient, EngineHTTPError, decode_routed_experts
 from miles_async.engine.core import Engine, EngineConfig
@@ -27,6 +26,8 @@ from miles_async.engine.server import EngineServer
 from miles_async.models import init_model, load_pretrained, load_tokenizer
 
 TIMEOUT_S = 60
+# Weights drawn wider than init's 0.02, so that greedy output does not repeat one token.
+LIVELY_STD = 0.3
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
@@ -34,24 +35,9 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
-def lively_model(family: str, out_dir, seed: int):
-    """init_model's tiny model with its matrices redrawn at std 0.3: at the init std (0.02) a
-    tiny model's greedy output repeats one token, which would make every comparison trivial."""
-    folder = init_model(family, "tiny", out_dir, seed=seed)
-    model = load_pretrained(folder)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
-        tensors[name] = torch.randn(tensor.shape, generator=generator) * 0.3 if tensor.dim() == 2 else tensor
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return lively_model("qwen3", tmp_path_factory.mktemp("qwen3"), seed=0)
+    return init_model("qwen3", "tiny", tmp_path_factory.mktemp("qwen3"), seed=0, init_std=LIVELY_STD)
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +306,7 @@ def test_pause_wait_lets_in_flight_requests_finish_first(model_dir):
 
 
 def test_weight_update_from_disk_changes_outputs_and_bumps_the_version(model_dir, tmp_path):
-    new_dir = lively_model("qwen3", tmp_path / "new", seed=1)
+    new_dir = init_model("qwen3", "tiny", tmp_path / "new", seed=1, init_std=LIVELY_STD)
     new_model = load_pretrained(new_dir)
     prompt = prompts(1, start_len=20)[0]
     params = {**GREEDY, "max_new_tokens": 10}
@@ -429,7 +415,7 @@ def test_bad_requests_get_400_naming_the_problem_and_the_server_keeps_serving(mo
 
 
 def test_routed_experts_over_http_match_the_models_routing(tmp_path):
-    moe_dir = lively_model("qwen3_moe", tmp_path / "moe", seed=0)
+    moe_dir = init_model("qwen3_moe", "tiny", tmp_path / "moe", seed=0, init_std=LIVELY_STD)
     moe = load_pretrained(moe_dir)
     prompt = prompts(1, start_len=9)[0]
 

@@ -8,7 +8,6 @@ import threading
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from miles_async.engine import compute
 from miles_async.engine.attention import GatherWorkspace, PagedAttention, ScheduledChunk, build_plan
@@ -19,35 +18,22 @@ from miles_async.engine.sampling import SamplingParams, make_generator, sample
 from miles_async.models import DenseCausalAttention, init_model, load_pretrained, load_tokenizer
 
 TIMEOUT_S = 60
+# Weights drawn wider than init's 0.02, so that greedy output does not repeat one token.
+LIVELY_STD = 0.3
 
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
-def lively_model(family: str, out_dir, seed: int):
-    """init_model's tiny model with its matrices redrawn at std 0.3: at the init std (0.02) a
-    tiny model's greedy output repeats one token, which would make every comparison trivial."""
-    folder = init_model(family, "tiny", out_dir, seed=seed)
-    model = load_pretrained(folder)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
-        tensors[name] = torch.randn(tensor.shape, generator=generator) * 0.3 if tensor.dim() == 2 else tensor
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
-
-
 @pytest.fixture(scope="module")
 def dense_dir(tmp_path_factory):
-    return lively_model("qwen3", tmp_path_factory.mktemp("qwen3"), seed=0)
+    return init_model("qwen3", "tiny", tmp_path_factory.mktemp("qwen3"), seed=0, init_std=LIVELY_STD)
 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    return lively_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), seed=0)
+    return init_model("qwen3_moe", "tiny", tmp_path_factory.mktemp("qwen3_moe"), seed=0, init_std=LIVELY_STD)
 
 
 def greedy_reference(model, prompt: list[int], num_tokens: int) -> list[int]:
@@ -252,7 +238,7 @@ def test_routed_experts_of_every_token_match_the_models_own_routing(moe_dir):
 
 def test_weight_update_from_tensors_checks_names_and_shapes_then_bumps_the_version(dense_dir, tmp_path):
     model = load_pretrained(dense_dir)
-    other = load_pretrained(lively_model("qwen3", tmp_path / "other", seed=3))
+    other = load_pretrained(init_model("qwen3", "tiny", tmp_path / "other", seed=3, init_std=LIVELY_STD))
     engine = Engine(model, tokenizer=load_tokenizer(dense_dir), config=EngineConfig(kv_cache_mib=2))
     prompt = prompts(1, model.config.vocab_size, start_len=9)[0]
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)

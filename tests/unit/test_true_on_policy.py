@@ -13,7 +13,6 @@ import asyncio
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from miles_async.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
 from miles_async.kernels import batch_invariant
@@ -29,15 +28,9 @@ NUM_NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """The tiny dense model with its matrices redrawn at std 0.3, so that its distributions are
-    far from uniform and sampled tokens vary."""
-    folder = init_model("qwen3", "tiny", tmp_path_factory.mktemp("qwen3"), seed=0)
-    model = load_pretrained(folder)
-    generator = torch.Generator().manual_seed(0)
-    tensors = {name: torch.randn(t.shape, generator=generator) * 0.3 if t.dim() == 2 else t
-               for name, t in model.state_dict().items() if name != "lm_head.weight"}
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
+    """The tiny dense model with its matrices drawn at std 0.3, so that its distributions are far
+    from uniform and sampled tokens vary."""
+    return init_model("qwen3", "tiny", tmp_path_factory.mktemp("model") / "tiny", seed=0, init_std=0.3)
 
 
 def prompts(vocab_size: int) -> list[list[int]]:
