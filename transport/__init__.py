@@ -1,7 +1,17 @@
 """Bulk-tensor data planes for weight updates (installed as `miles_async.transport`).
 
-This folder will hold the transports that move converted weights, in buckets, from the trainer
-into the engines: colocated handoff, torch.distributed broadcast, same-node shared memory, RDMA
-(pyverbs, the `[rdma]` extra) and disk-delta, with a verification pass (DESIGN.md, "Weight
-transports"). None of them is written yet.
+The transports move converted weights, in buckets, from the trainer into the engines
+(DESIGN.md, "Weight transports"). Written so far, pure torch + stdlib:
+
+- `buckets`: `split_buckets` / `split_sizes` (ordered, at most N bytes, an oversized tensor
+  alone) and `convert(family, named)`, the per-family trainer -> engine name/layout table
+  (`CONVERTERS`; identity for our engine, `fuse_qkv` as a layout-changing example).
+- `verify`: exact per-tensor `checksum`s, `compare`, and `random_fill` for the random-fill check.
+- `disk_delta`: `write_delta` / `apply_delta`, changed elements only, compressed, checksummed,
+  version-ordered, written atomically.
+- `rdma_plan`: `plan_writes`, the pure schedule of one-sided writes; `rdma`: `require_pyverbs`.
+
+Still to come: colocated handoff, torch.distributed broadcast, shared memory, the RDMA wire, and
+the `WeightPusher` actor that drives them (it lives in `actors/`: a transport never imports one).
+Try it: `pytest tests/unit/test_transport_*.py -s`.
 """
