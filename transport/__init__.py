@@ -10,8 +10,13 @@ The transports move converted weights, in buckets, from the trainer into the eng
 - `disk_delta`: `write_delta` / `apply_delta`, changed elements only, compressed, checksummed,
   version-ordered, written atomically.
 - `rdma_plan`: `plan_writes`, the pure schedule of one-sided writes; `rdma`: `require_pyverbs`.
+- `shm`: `SharedWeights`, all tensors in one shared-memory segment with a seqlock version
+  (odd while a write is in progress), attachable by name from another process.
+- `broadcast`: `send_buckets` / `recv_buckets`, buckets from one rank to the others over
+  torch.distributed (gloo on CPU), after a layout fingerprint check.
 
-Still to come: colocated handoff, torch.distributed broadcast, shared memory, the RDMA wire, and
-the `WeightPusher` actor that drives them (it lives in `actors/`: a transport never imports one).
+Still to come: the colocated handoff, the RDMA wire, the engine keeping its weights in a
+`SharedWeights` segment, and the `WeightPusher` actor that drives them (it lives in `actors/`: a
+transport never imports one).
 Try it: `pytest tests/unit/test_transport_*.py -s`.
 """

@@ -57,7 +57,6 @@ def test_help_of_each_verb(verb: str) -> None:
         ("launch", "launch --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 recipe.toml"),
         ("serve session", "serve session --engine http://127.0.0.1:30000"),
         ("sim", "sim trace.jsonl --json"),
-        ("bench weights", "bench weights --json"),
         ("bench loop", "bench loop --json"),
         ("plot", "plot runs/x"),
     ],
