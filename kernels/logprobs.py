@@ -30,6 +30,7 @@ Try it:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -152,18 +153,28 @@ def _grads_or_zeros(grad_logp_T: torch.Tensor | None, grad_entropy_T: torch.Tens
             zeros_T if grad_entropy_T is None else grad_entropy_T.to(like_T.dtype))
 
 
+def _forward_in_chunks(rows_TX: torch.Tensor, targets_T: torch.Tensor, chunk_tokens: int,
+                       chunk_logits: Callable[[slice], torch.Tensor],
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp_T, lse_T, entropy_T), with only one chunk's [C, V] scaled logits alive at a time."""
+    num_tokens = rows_TX.shape[0]
+    logp_T = torch.empty(num_tokens, dtype=_compute_dtype(rows_TX.dtype), device=rows_TX.device)
+    lse_T, entropy_T = torch.empty_like(logp_T), torch.empty_like(logp_T)
+    for start in range(0, num_tokens, chunk_tokens):
+        rows = slice(start, start + chunk_tokens)
+        z_CV = chunk_logits(rows)
+        logp_T[rows], lse_T[rows], entropy_T[rows] = _chunk_forward(z_CV, targets_T[rows])
+        del z_CV
+    return logp_T, lse_T, entropy_T
+
+
 class _HiddenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor,
                 temperature: float, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        num_tokens = hidden_TD.shape[0]
-        logp_T = torch.empty(num_tokens, dtype=_compute_dtype(hidden_TD.dtype), device=hidden_TD.device)
-        lse_T, entropy_T = torch.empty_like(logp_T), torch.empty_like(logp_T)
-        for start in range(0, num_tokens, chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
-            z_CV = _scaled_logits(F.linear(hidden_TD[rows], weight_VD), temperature, owned=True)
-            logp_T[rows], lse_T[rows], entropy_T[rows] = _chunk_forward(z_CV, targets_T[rows])
-            del z_CV
+        logp_T, lse_T, entropy_T = _forward_in_chunks(
+            hidden_TD, targets_T, chunk_tokens,
+            lambda rows: _scaled_logits(F.linear(hidden_TD[rows], weight_VD), temperature, owned=True))
         ctx.save_for_backward(hidden_TD, weight_VD, targets_T, lse_T, entropy_T)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
         ctx.set_materialize_grads(False)
@@ -200,14 +211,9 @@ class _LogitsLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits_TV: torch.Tensor, targets_T: torch.Tensor, temperature: float,
                 chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        num_tokens = logits_TV.shape[0]
-        logp_T = torch.empty(num_tokens, dtype=_compute_dtype(logits_TV.dtype), device=logits_TV.device)
-        lse_T, entropy_T = torch.empty_like(logp_T), torch.empty_like(logp_T)
-        for start in range(0, num_tokens, chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
-            z_CV = _scaled_logits(logits_TV[rows], temperature, owned=False)
-            logp_T[rows], lse_T[rows], entropy_T[rows] = _chunk_forward(z_CV, targets_T[rows])
-            del z_CV
+        logp_T, lse_T, entropy_T = _forward_in_chunks(
+            logits_TV, targets_T, chunk_tokens,
+            lambda rows: _scaled_logits(logits_TV[rows], temperature, owned=False))
         ctx.save_for_backward(logits_TV, targets_T, lse_T, entropy_T)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
         ctx.set_materialize_grads(False)

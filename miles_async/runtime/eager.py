@@ -12,11 +12,11 @@ import asyncio
 from collections.abc import Coroutine, Generator
 from typing import Any
 
-_PENDING = object()
+PENDING = object()  # returned by `start` in place of a value when the handler suspended
 
 
 def start(coro: Coroutine[Any, Any, Any]) -> tuple[Any, asyncio.Task[Any] | None]:
-    """Step `coro` once. Returns (value, None) if it finished, (_PENDING, task) if it suspended.
+    """Step `coro` once. Returns (value, None) if it finished, (PENDING, task) if it suspended.
 
     Exceptions raised by the first step propagate to the caller.
     """
@@ -24,7 +24,7 @@ def start(coro: Coroutine[Any, Any, Any]) -> tuple[Any, asyncio.Task[Any] | None
         yielded = coro.send(None)
     except StopIteration as stop:
         return stop.value, None
-    return _PENDING, asyncio.get_running_loop().create_task(_continue(coro, yielded))
+    return PENDING, asyncio.get_running_loop().create_task(_continue(coro, yielded))
 
 
 async def _continue(coro: Coroutine[Any, Any, Any], yielded: Any) -> Any:
@@ -64,5 +64,3 @@ class _Resume:
                 except StopIteration as stop:
                     return stop.value
 
-
-PENDING = _PENDING
