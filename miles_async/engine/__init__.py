@@ -1,8 +1,11 @@
 """The embedded rollout engine and its SGLang-compatible HTTP API (DESIGN.md, "Engines").
 
 - `Engine` (core.py): continuous batching over a paged KV cache with a radix prefix cache,
-  sampling with per-token log-probs, abort, pause/continue, in-place weight updates, routed
-  experts for MoE models. `Engine.from_pretrained(DIR)`; `await engine.generate(GenerateRequest(...))`.
+  sampling with per-token log-probs, abort, pause/continue, weight updates, routed
+  experts for MoE models.
+- `WeightStore` (weights.py): the engine's weights as an update target: versions in order,
+  an optional double buffer, shared-memory weights, and the torn state an interrupted update
+  leaves (the engine then refuses requests and its /health says why). `Engine.from_pretrained(DIR)`; `await engine.generate(GenerateRequest(...))`.
 - `EngineServer` / `create_app` (server.py): SGLang's native endpoints over aiohttp;
   `miles-async serve engine --model DIR --port P` runs it.
 - `EngineClient` (client.py): the async client for this server and for a real SGLang server.
@@ -15,11 +18,19 @@ Try it:
 """
 
 from miles_async.engine.client import EngineClient, EngineHTTPError, decode_routed_experts
-from miles_async.engine.core import PAUSE_MODES, Engine, EngineConfig, EngineOverloadedError, EngineStats
+from miles_async.engine.core import (
+    PAUSE_MODES,
+    Engine,
+    EngineConfig,
+    EngineOverloadedError,
+    EngineStats,
+    WeightsUnavailableError,
+)
 from miles_async.engine.request import GenerateOutput, GenerateRequest
 from miles_async.engine.sampling import SamplingParams
 from miles_async.engine.server import EngineServer, create_app
 from miles_async.engine.sglang import SGLangServer, SGLangStartError
+from miles_async.engine.weights import StaleVersionError, WeightStore
 
 __all__ = [
     "PAUSE_MODES",
@@ -35,6 +46,9 @@ __all__ = [
     "SGLangServer",
     "SGLangStartError",
     "SamplingParams",
+    "StaleVersionError",
+    "WeightStore",
+    "WeightsUnavailableError",
     "create_app",
     "decode_routed_experts",
 ]

@@ -56,6 +56,7 @@ from miles_async.engine.request import (
     stop_reason,
 )
 from miles_async.engine.sampling import make_generator, sample
+from miles_async.engine.weights import WeightStore, parse_version
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -68,6 +69,10 @@ PAUSE_MODES = ("abort", "in_place", "retract", "wait")
 
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is full (`max_waiting_requests`); retry later (HTTP 503)."""
+
+
+class WeightsUnavailableError(RuntimeError):
+    """The weights are torn (an update did not complete); nothing is served until one does (HTTP 503)."""
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,6 +89,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     # given) run batch-invariant kernels, so a token's log-prob equals the trainer's, in the same
     # mode, bit for bit. Costs throughput: ~2.5x fewer tokens/s on the tiny model on CPU.
     batch_invariant: bool = False
+    # Weight updates (weights.py): a second copy of the weights that updates are written into
+    # while generation goes on, swapped in when complete, so an interrupted update leaves the
+    # previous version serving. Costs the weights' bytes again; without it an interrupted update
+    # leaves the engine refusing requests until a complete version arrives.
+    double_buffer: bool = False
+    # Keep the weights in shared memory, so a pusher in another process on the node writes
+    # straight into them (the shm transport).
+    shared_weights: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_running_requests", "max_waiting_requests", "max_prefill_tokens"):
@@ -107,6 +120,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     num_blocks: int
     weight_version: str
     paused: str | None
+    weights_error: str | None = None  # why nothing is served (torn weights), if so
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +158,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.model_path = model_path
-        self.weight_version = weight_version
+        self.weights = WeightStore(model, double_buffer=config.double_buffer, shared=config.shared_weights,
+                                   version=parse_version(weight_version, -1)[0], label=weight_version)
         mc = model.config
         self.vocab_size = _config_int(mc, "vocab_size")
         num_heads = _config_int(mc, "num_attention_heads")
@@ -177,7 +192,6 @@ class Engine:
         self._paused: str | None = None
         self._pause_seq = 0  # "wait": only requests that arrived before this run
         self._cache_epoch = 0
-        self._num_updates = 0
         self._counters = collections.Counter()
 
     # ----- construction and lifecycle -----
@@ -229,6 +243,8 @@ class Engine:
         """
         if self._task is None:
             raise RuntimeError("the engine is not started: use `async with engine:` or `await engine.start()`")
+        if (problem := self.weights.serving_error()) is not None:
+            raise WeightsUnavailableError(problem)
         ids = request.input_ids
         params = request.sampling_params
         self._check_request(request)
@@ -346,41 +362,111 @@ class Engine:
         async with self._lock:
             return self.cache.tree.flush()
 
+    @property
+    def weight_version(self) -> str:
+        """The label of the weights being served (SGLang's `weight_version`)."""
+        return self.weights.label
+
     async def update_weights_from_tensors(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[
-            tuple[str, torch.Tensor]], weight_version: str | None = None) -> str:
-        """Copy tensors into the model's parameters in place (between steps); return the new version.
+            tuple[str, torch.Tensor]], weight_version: str | int | None = None) -> str:
+        """Copy a complete set of weights in (between steps, casting to the engine's dtype); return the label.
 
-        Every name and shape is checked before anything is written. The prefix cache is flushed
-        (its KV came from the old weights); running requests continue on their existing KV.
+        `weight_version`: an integer (or its text) newer than the engine's, or a name (the next
+        integer); an older one raises StaleVersionError (a ValueError) before anything is
+        written, as does a wrong name or shape. The prefix cache is flushed (its KV came from
+        the old weights); running requests continue on their existing KV.
         """
+        version, label = parse_version(weight_version, self.weights.version)
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        state = self.model.state_dict(keep_vars=True)
-        for name, tensor in items:
-            if name not in state:
-                raise ValueError(f"weight {name!r} is not in the model (it has e.g. {', '.join(list(state)[:4])})")
-            if tuple(tensor.shape) != tuple(state[name].shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model's is "
-                                 f"{tuple(state[name].shape)}")
         async with self._lock:
-            await compute.run(_copy_into, state, items)
-            return self._bump_version(weight_version)
+            self.weights.check_newer(version)
+            self.weights.check(items)  # every name and shape checked before begin() tears anything
+            self.weights.begin(version, label)
+            try:
+                await compute.run(self.weights.write, items)
+            except BaseException as e:
+                self.weights.abort(f"{type(e).__name__}: {e}")
+                raise
+            return self._after_update(self.weights.commit())
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> str:
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | int | None = None) -> str:
         """Load a checkpoint folder (off the loop, while generation goes on), then copy it in."""
         from miles_async.models import load_pretrained
 
+        self.weights.check_newer(parse_version(weight_version, self.weights.version)[0])  # before loading
         dtype = next(self.model.parameters()).dtype
         new_model = await compute.run(load_pretrained, model_path, dtype=dtype)
         version = await self.update_weights_from_tensors(new_model.state_dict(), weight_version)
         self.model_path = str(model_path)
         return version
 
-    def _bump_version(self, weight_version: str | None) -> str:
-        self._num_updates += 1
-        self.weight_version = weight_version if weight_version is not None else str(self._num_updates)
+    # The update protocol for transports (weights.py): begin, write the target, commit or abort.
+
+    async def begin_weight_update(self, version: int, label: str | None = None) -> dict[str, torch.Tensor]:
+        """Start an update to `version` between steps; return the tensors to write (see WeightStore.begin)."""
+        async with self._lock:
+            return self.weights.begin(version, label)
+
+    async def commit_weight_update(self, expected_checksums: Mapping[str, str] | None = None) -> str:
+        """Verify (if checksums are given, on the compute thread) and make the update live; return the label."""
+        async with self._lock:
+            version = await compute.run(self.weights.commit, expected_checksums)
+            return self._after_update(version)
+
+    async def abort_weight_update(self, reason: str) -> None:
+        async with self._lock:
+            self.weights.abort(reason)
+
+    async def adopt_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                            version: int, expected_checksums: Mapping[str, str] | None = None) -> int:
+        """The colocated handoff: take the tensors as the weights, without a copy where the dtype allows.
+
+        Returns how many tensors were taken as they are. Needs a double-buffered engine for the
+        no-copy path (otherwise every tensor is copied in place, paused).
+        """
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        async with self._lock:
+            self.weights.begin(version, adopting=True)
+            try:
+                taken = await compute.run(self.weights.adopt, items)
+                self._after_update(await compute.run(self.weights.commit, expected_checksums))
+            except BaseException as e:
+                self.weights.abort(f"{type(e).__name__}: {e}")
+                raise
+            return taken
+
+    async def apply_weight_delta(self, folder: str) -> str:
+        """Apply a disk delta (transport.disk_delta) written against this engine's version; return the label.
+
+        The delta is decoded and checked in full before any weight is written, so it is applied
+        to the live weights directly, between steps.
+        """
+        from miles_async.transport.disk_delta import apply_delta
+
+        async with self._lock:
+            if (problem := self.weights.serving_error()) is not None:
+                raise WeightsUnavailableError(f"a delta needs a complete base version: {problem}")
+            version = await compute.run(apply_delta, folder, self.weights.live, self.weights.version)
+            self.weights.record_in_place(version)
+            return self._after_update(version)
+
+    async def weight_checksums(self) -> dict[str, str]:
+        async with self._lock:
+            return await compute.run(self.weights.checksums)
+
+    async def random_fill_weights(self, seed: int) -> None:
+        """Overwrite the live weights with seeded noise: the start of the random-fill verification check."""
+        async with self._lock:
+            await compute.run(self.weights.random_fill, seed)
+            self.cache.tree.flush()
+            self._cache_epoch += 1
+
+    def _after_update(self, version: int) -> str:
         self.cache.tree.flush()
         self._cache_epoch += 1
-        return self.weight_version
+        self._wake.set()  # a torn engine waits for this
+        log.info("weights now at version %s (%s)", version, self.weights.label)
+        return self.weights.label
 
     def stats(self) -> EngineStats:
         prompt, cached = self._counters["prompt_tokens"], self._counters["cached_tokens"]
@@ -390,7 +476,7 @@ class Engine:
             num_cached_prompt_tokens=cached, prefix_cache_hit_rate=cached / prompt if prompt else 0.0,
             num_retractions=self._counters["retractions"], num_free_blocks=self.cache.num_free,
             num_cached_blocks=len(self.cache.tree), num_blocks=self.cache.num_blocks,
-            weight_version=self.weight_version, paused=self._paused)
+            weight_version=self.weight_version, paused=self._paused, weights_error=self.weights.serving_error())
 
     # ----- the loop -----
 
@@ -418,7 +504,7 @@ class Engine:
         return self._paused == "wait" and request.seq < self._pause_seq
 
     def _schedule(self) -> _Step | None:
-        if self._paused not in (None, "wait"):
+        if self._paused not in (None, "wait") or self.weights.serving_error() is not None:
             return None
         budget = self.config.max_prefill_tokens
         chosen: list[tuple[Request, int]] = []

@@ -35,7 +35,7 @@ import msgspec
 import torch
 from aiohttp import web
 
-from miles_async.engine.core import PAUSE_MODES, Engine, EngineOverloadedError
+from miles_async.engine.core import PAUSE_MODES, Engine, EngineOverloadedError, WeightsUnavailableError
 from miles_async.engine.request import GenerateOutput, GenerateRequest
 from miles_async.engine.sampling import SamplingParams
 
@@ -230,7 +230,9 @@ async def _stream(request: web.Request, engine: Engine, state, text_in_logprobs:
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.Response(status=200)
+    """200 while the engine can serve; 503 naming the reason when its weights are torn."""
+    problem = request.app[ENGINE_KEY].weights.serving_error()
+    return web.Response(status=200) if problem is None else _json_error(503, f"weights unavailable: {problem}")
 
 
 async def health_generate(request: web.Request) -> web.Response:
@@ -321,7 +323,7 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     except BadRequest as e:
         return _json_error(400, str(e))
-    except EngineOverloadedError as e:
+    except (EngineOverloadedError, WeightsUnavailableError) as e:
         return _json_error(503, str(e))
 
 

@@ -1,0 +1,328 @@
+"""The engine's weights as the target of an update: versions, a double buffer, the torn state.
+
+Every way new weights reach an engine (tensors in the same process, a checkpoint folder, a
+broadcast, a write into shared memory, a disk delta) goes through one protocol, so every one
+of them is atomic from the engine's view and ordered by version:
+
+    target = store.begin(version)     # refuses a version not newer than the engine's
+    ... the transport writes every tensor of `target` (bucket by bucket, any thread or process)
+    store.commit(expected_checksums)  # verifies if asked, then makes the new version live
+    store.abort(reason)               # or gives up
+
+Versions are integers; `label` is what SGLang clients see as `weight_version` (an integer's
+text, or a name such as "step-7" given over HTTP, which then counts as the next integer).
+
+Double buffer (`double_buffer=True`, the default where memory allows, twice the weights'
+bytes): `target` is a second set of tensors and the model keeps running on the live set until
+`commit` swaps them (each parameter's `.data` is pointed at the other buffer: no copy), so an
+update that dies midway leaves the engine serving the previous version. Single buffer: `target`
+is the live set itself; from `begin` until a good `commit` the weights are *torn* and
+`serving_error()` says why: the engine then admits no request and its health reports it, until
+a complete version commits.
+
+Shared memory (`shared=True`): each buffer is a `transport.shm.SharedWeights` segment, the
+model's parameters are views into it, and another process on the node (the pusher) attaches to
+`target_segment` by name and writes the shards straight in. Its seqlock counter tells `commit`
+whether that write completed; a live segment that someone writes outside an update makes the
+engine torn too.
+
+Adopting (`adopt`, the colocated handoff): a tensor of the engine's dtype, device and shape is
+taken as it is, no copy; the previous tensors stay untouched until `commit`, so adoption is
+double-buffered at no extra memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from miles_async.transport.buckets import NamedTensors, as_items
+from miles_async.transport.errors import TransportError
+from miles_async.transport.shm import SharedWeights
+from miles_async.transport.verify import checksums, compare, random_fill
+
+
+class StaleVersionError(ValueError):
+    """An update whose version is not newer than the engine's: rejected, nothing written."""
+
+
+def parse_version(label: str | int | None, current: int) -> tuple[int, str]:
+    """(version, label) for an update labelled `label`: an integer (or its text) as is, a name as current + 1."""
+    if label is None:
+        return current + 1, str(current + 1)
+    if isinstance(label, int) or label.strip().lstrip("-").isdigit():
+        version = int(label)
+        return version, str(version)
+    return current + 1, label
+
+
+def unique_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(name -> tensor for each distinct tensor, alias -> name for tied ones such as lm_head.weight)."""
+    by_id: dict[int, str] = {}
+    weights: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        first = by_id.setdefault(id(tensor), name)
+        if first == name:
+            weights[name] = tensor
+        else:
+            aliases[name] = first
+    return weights, aliases
+
+
+class WeightStore:
+    """One engine's weights and their update state; see the module docstring. Not thread-safe:
+    the engine calls it between steps (under its lock), transports only write `target` tensors."""
+
+    def __init__(self, model: torch.nn.Module, *, double_buffer: bool = False, shared: bool = False,
+                 version: int = 0, label: str | None = None) -> None:
+        self.params, self.aliases = unique_weights(model)
+        self.version = version
+        self.label = label if label is not None else str(version)
+        self.shared = shared
+        self.double_buffer = double_buffer
+        self.torn: str | None = None
+        self.updating: int | None = None  # the version between begin and commit/abort
+        self._updating_label: str | None = None
+        self._segments: list[SharedWeights] = []
+        self._live_seq = 0
+        self._target_seq = 0
+        self._written: set[str] = set()
+        self._adopted: set[int] = set()  # ids of tensors taken by `adopt`: never written into afterwards
+        live = {name: p.detach() for name, p in self.params.items()}
+        if shared:
+            segment = SharedWeights.like(live)
+            segment.write(live)
+            self._segments.append(segment)
+            live = segment.tensors
+            self._point_at(live)
+            self._live_seq = segment.seq
+        self.live: dict[str, torch.Tensor] = live
+        self.spare: dict[str, torch.Tensor] | None = None
+        if double_buffer:
+            if shared:
+                self._segments.append(SharedWeights.like(live))
+                self.spare = self._segments[1].tensors
+            else:
+                self.spare = {name: torch.empty_like(t) for name, t in live.items()}
+
+    # ----- state -----
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.live.values())
+
+    @property
+    def live_segment(self) -> str | None:
+        return self._segments[0].name if self._segments else None
+
+    @property
+    def target_segment(self) -> str | None:
+        """The segment a pusher in another process writes the update into (shared stores)."""
+        if not self._segments:
+            return None
+        return self._segments[-1].name if self.double_buffer else self._segments[0].name
+
+    def serving_error(self) -> str | None:
+        """Why the engine must not run the model now (torn weights), or None."""
+        if self.torn is not None:
+            return self.torn
+        if self._segments and self._segments[0].seq != self._live_seq:
+            self.torn = (f"the live shared segment {self._segments[0].name!r} was written outside an update "
+                         f"(seq {self._live_seq} -> {self._segments[0].seq}); push a complete version")
+            return self.torn
+        return None
+
+    def check_newer(self, version: int) -> None:
+        if version <= self.version:
+            raise StaleVersionError(f"weight version {version} is not newer than the engine's {self.version}; "
+                                    "the update is rejected (push a newer version)")
+
+    # ----- the protocol -----
+
+    def begin(self, version: int, label: str | None = None, *, adopting: bool = False) -> dict[str, torch.Tensor]:
+        """Start an update to `version`; return the tensors to write (name -> tensor).
+
+        A spare tensor that an earlier `adopt` took from the trainer is replaced by a fresh one
+        unless this update adopts too: a copy must never write into memory the trainer handed over.
+        """
+        self.check_newer(version)
+        if self.updating is not None:
+            self.abort(f"superseded by version {version}")
+        self.updating, self._updating_label = version, label if label is not None else str(version)
+        self._written = set()
+        if self.double_buffer:
+            assert self.spare is not None
+            if not adopting and self._adopted:
+                for name, tensor in self.spare.items():
+                    if id(tensor) in self._adopted:
+                        self._adopted.discard(id(tensor))
+                        self.spare[name] = torch.empty_like(tensor)
+            if self._segments:
+                self._target_seq = self._segments[1].seq
+            return self.spare
+        self.torn = (f"weights are being replaced by version {version} (from version {self.version}); "
+                     "not serving until it completes")
+        if self._segments:
+            self._target_seq = self._segments[0].seq
+        return self.live
+
+    def target(self) -> dict[str, torch.Tensor]:
+        if self.updating is None:
+            raise RuntimeError("no weight update in progress: call begin(version) first")
+        return self.spare if self.double_buffer else self.live  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def write(self, named: NamedTensors) -> int:
+        """Copy (casting to the engine's dtype) into the update's target; return the bytes written."""
+        target = self.target()
+        items = self.check(as_items(named))
+        if self._segments:  # through the segment's seqlock, like a pusher in another process
+            (self._segments[-1] if self.double_buffer else self._segments[0]).write(items)
+        else:
+            for name, tensor in items:
+                target[name].copy_(tensor)
+        self.mark_written(name for name, _ in items)
+        return sum(target[name].numel() * target[name].element_size() for name, _ in items)
+
+    def mark_written(self, names: Iterable[str]) -> None:
+        """Record tensors an in-process transport wrote into `target()` itself (e.g. a broadcast)."""
+        self._written.update(self.aliases.get(name, name) for name in names)
+
+    def adopt(self, named: NamedTensors) -> int:
+        """The colocated handoff: take each tensor as the new weight when it matches, else copy it.
+
+        Taken as it is: on a double-buffered store, a tensor of the engine's dtype and device,
+        contiguous. Otherwise copied (cast) into the target. Not for shared-memory stores.
+        Returns how many tensors were taken without a copy.
+        """
+        if self.shared:
+            raise ValueError("a shared-memory store cannot adopt tensors: its weights live in the segment")
+        target = self.target()
+        taken = 0
+        for name, tensor in self.check(as_items(named)):
+            old = target[name]
+            if (tensor.dtype == old.dtype and tensor.device == old.device and tensor.is_contiguous()
+                    and self.double_buffer):
+                self._adopted.discard(id(old))
+                target[name] = tensor.detach()
+                self._adopted.add(id(target[name]))
+                taken += 1
+            else:
+                if id(old) in self._adopted:  # the trainer's memory from an earlier handoff: not ours to write
+                    self._adopted.discard(id(old))
+                    old = target[name] = torch.empty_like(old)
+                with torch.no_grad():
+                    old.copy_(tensor)
+            self._written.add(name)
+        return taken
+
+    def commit(self, expected: Mapping[str, str] | None = None) -> int:
+        """Make the update live (after verifying `expected` checksums, if given); return the version.
+
+        Raises TransportError (and aborts the update) if a shared target was not written
+        completely or the checksums differ: a double-buffered engine keeps its previous version, a
+        single-buffered one stays torn.
+        """
+        if self.updating is None:
+            raise RuntimeError("no weight update in progress: call begin(version) first")
+        target = self.target()
+        problem = self._incomplete()
+        if problem is None and expected is not None:
+            canonical = {self.aliases.get(name, name): value for name, value in expected.items()}
+            bad = compare(canonical, checksums(target))
+            if bad:
+                problem = (f"verification failed: {len(bad)} tensor(s) differ from the pusher's checksums, "
+                           f"e.g. {', '.join(bad[:4])}")
+        if problem is not None:
+            self.abort(problem)
+            raise TransportError(problem)
+        if self.double_buffer:
+            self.live, self.spare = target, self.live
+            self._point_at(self.live)
+            if self._segments:
+                self._segments.reverse()
+        if self._segments:
+            self._live_seq = self._segments[0].seq
+        self.version, self.label = self.updating, self._updating_label or str(self.updating)
+        self.updating = self._updating_label = None
+        self.torn = None
+        return self.version
+
+    def abort(self, reason: str) -> None:
+        """Give up the update in progress: double-buffered, the previous version stays; else torn."""
+        if self.updating is None:
+            return
+        version, self.updating, self._updating_label = self.updating, None, None
+        if not self.double_buffer:
+            self.torn = (f"the update to version {version} did not complete ({reason}); the weights are torn "
+                         f"and the engine does not serve until a complete version arrives")
+
+    # ----- whole-store operations -----
+
+    def record_in_place(self, version: int, label: str | None = None) -> None:
+        """Record a version written straight into the live weights by a path that verified it first
+        (a disk delta: every tensor decoded and checked before any is written)."""
+        self.check_newer(version)
+        self.version, self.label = version, label if label is not None else str(version)
+        if self._segments:
+            self._live_seq = self._segments[0].seq
+
+    def checksums(self) -> dict[str, str]:
+        return checksums(self.live)
+
+    def random_fill(self, seed: int) -> None:
+        """Overwrite the live weights with seeded noise (the verification check's starting point)."""
+        random_fill(self.live, seed)
+        if self._segments:
+            self._live_seq = self._segments[0].seq
+
+    def close(self) -> None:
+        """Point the model at private copies and release the shared segments."""
+        if not self._segments:
+            return
+        private = {name: t.clone() for name, t in self.live.items()}
+        self._point_at(private)
+        self.live, self.spare = private, None
+        for segment in self._segments:
+            segment.close()
+        self._segments = []
+
+    # ----- helpers -----
+
+    def _point_at(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        for name, param in self.params.items():
+            param.data = tensors[name]
+
+    def check(self, items: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Map aliases to their tensor's name (dropping repeats) and check every name and shape."""
+        resolved = []
+        seen: set[str] = set()
+        for name, tensor in items:
+            name = self.aliases.get(name, name)
+            if name in seen:
+                continue  # a tied weight sent under both its names: one copy is enough
+            seen.add(name)
+            old = self.live.get(name)
+            if old is None:
+                raise ValueError(f"weight {name!r} is not in the model (it has e.g. {', '.join(list(self.live)[:4])})")
+            if tuple(tensor.shape) != tuple(old.shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(old.shape)}")
+            resolved.append((name, tensor))
+        return resolved
+
+    def _incomplete(self) -> str | None:
+        """Why the target does not hold a whole version, as far as the store can tell; None if it does."""
+        missing = [name for name in self.live if name not in self._written]
+        if self._segments:
+            segment = self._segments[-1] if self.double_buffer else self._segments[0]
+            seq = segment.seq
+            if seq % 2:
+                return f"the write into shared segment {segment.name!r} did not finish (seq {seq} is odd)"
+            if seq != self._target_seq and not self._written:
+                return None  # written by another process: only a verification pass can tell more
+        if missing:
+            return (f"the update to version {self.updating} is missing {len(missing)} of {len(self.live)} "
+                    f"tensors, e.g. {', '.join(missing[:4])}")
+        return None
