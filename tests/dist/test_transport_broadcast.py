@@ -1,5 +1,7 @@
 """Broadcast transport over gloo between two real spawned processes: bit-exact transfer, checked
-with the random-fill verification; a rank with a different layout fails with TransportError."""
+with the random-fill verification, through both paths (packed small tensors, direct large ones,
+into contiguous and strided engine tensors); a rank with a different layout fails with
+TransportError."""
 
 from __future__ import annotations
 
@@ -24,12 +26,22 @@ from miles_async.transport.verify import checksums, compare, random_fill
 
 TIMEOUT_S = 90.0
 BUCKET_BYTES = 1024
+PACK_MAX_BYTES = 512  # below the default, so that this small model has tensors on both paths
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
     named = {"embed": torch.empty(40, 16), "layers.0.qkv": torch.empty(24, 16, dtype=torch.bfloat16),
              "layers.0.norm": torch.empty(16, dtype=torch.float16), "layers.1.w": torch.empty(300),
              "counts": torch.empty(5, dtype=torch.int64), "empty": torch.empty(0, 3)}
+    random_fill(named, seed)
+    return named
+
+
+def engine_weights(seed: int) -> dict[str, torch.Tensor]:
+    """Like `weights`, but "embed" (direct) and "layers.0.norm" (packed) are strided views."""
+    named = weights(seed)
+    named["embed"] = torch.empty(16, 40).t()
+    named["layers.0.norm"] = torch.empty(32, dtype=torch.float16)[::2]
     random_fill(named, seed)
     return named
 
@@ -49,14 +61,16 @@ def _rank(rank: int, port: int, layout_json: str, in_place: bool, queue: mp.Queu
         group = dist.new_group([0, 1])
         if rank == 0:
             buckets = split_buckets(weights(1), BUCKET_BYTES)
-            sent = send_buckets(buckets, group, staging=staging_for(layout_of(buckets)))
+            sent = send_buckets(buckets, group, staging=staging_for(layout_of(buckets), PACK_MAX_BYTES),
+                                pack_max_bytes=PACK_MAX_BYTES)
             queue.put((rank, "sent", sent))
         else:
-            engine = weights(2)
+            engine = engine_weights(2)
             random_fill(engine, seed=99)  # the verification's random fill: stale values must not survive
             try:
                 layout = layout_from_json(layout_json)
-                got = recv_buckets(layout, group, out=engine if in_place else None, staging=staging_for(layout))
+                got = recv_buckets(layout, group, out=engine if in_place else None,
+                                   staging=staging_for(layout, PACK_MAX_BYTES), pack_max_bytes=PACK_MAX_BYTES)
                 queue.put((rank, "ok", checksums(engine), all(got[n] is engine[n] for n in engine)))
             except TransportError as exc:
                 queue.put((rank, "transport_error", str(exc)))
@@ -88,7 +102,9 @@ def _run_pair(layout_json: str, in_place: bool = True) -> dict[int, tuple]:
 def test_two_ranks_transfer_every_bucket_bit_exactly():
     buckets = split_buckets(weights(1), BUCKET_BYTES)
     assert len(buckets) >= 3, "the test should cross several buckets"
-    assert any(len(b) == 1 for b in buckets) and any(len(b) > 1 for b in buckets), "both paths: direct and packed"
+    sizes = [t.numel() * t.element_size() for bucket in buckets for _, t in bucket]
+    assert any(n > PACK_MAX_BYTES for n in sizes) and any(n <= PACK_MAX_BYTES for n in sizes), "direct and packed"
+    assert any(len(b) > 1 for b in buckets)
     results = _run_pair(layout_to_json(layout_of(buckets)))
     assert results[0][0] == "sent", results[0]
     assert results[1][0] == "ok", results[1]
