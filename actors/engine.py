@@ -1,0 +1,338 @@
+"""`EngineActor`: one embedded rollout engine as an actor, and the engine's side of weight updates.
+
+    WeightPusher ──PauseEngine / BeginUpdate / ReceiveBroadcast / ApplyDelta / CommitUpdate──► EngineActor
+    rollout      ──Generate (or HTTP, when `http_port` is set)──────────────────────────────► EngineActor
+
+Consumes: generation requests, and the weight-update messages of the update protocol
+(`miles_async.engine.weights`): `BeginUpdate` opens an update (refused for a version not newer
+than the engine's) and says where to write it (the shared segment, for the shm transport);
+the transport moves the bytes (`ReceiveBroadcast` joins a broadcast, `LoadWeightsFile` and
+`ApplyDelta` read from a shared folder, a pusher in another process writes the segment itself);
+`CommitUpdate` verifies (if checksums come with it) and makes the version live. Produces:
+`EngineState` (version, pause, torn reason) after each of them.
+
+An update is leased: if no `CommitUpdate` arrives within `BeginUpdate.lease_s` (the pusher died,
+a bucket was lost), the engine aborts it and resumes generation: a double-buffered engine
+serves its previous version, a single-buffered one stays torn, refusing requests and saying so
+in `EngineStatus` and its HTTP health, until a complete version commits.
+
+The engine's torch work runs on its compute thread (engine/compute.py); the actor's event loop
+only moves messages. A colocated pusher (same process) finds the engine by the actor's name
+(`transport.colocated`).
+
+Try it: `pytest tests/dist/test_weight_updates.py -s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, ClassVar
+
+import msgspec
+import torch
+
+from miles_async.engine import compute
+from miles_async.engine.core import Engine, EngineConfig
+from miles_async.engine.request import GenerateRequest
+from miles_async.engine.server import EngineServer
+from miles_async.runtime import Actor, Message, handler
+from miles_async.transport import colocated
+from miles_async.transport.broadcast import layout_from_json, recv_buckets
+from miles_async.transport.groups import WeightGroup
+
+log = logging.getLogger("miles_async.actors.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineState(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    version: int
+    label: str
+    paused: str | None
+    weights_error: str | None  # why nothing is served (torn weights), or None
+    updating: int | None  # the version of an update in progress
+    dtype: str
+    num_bytes: int  # of the weights
+    target_segment: str | None = None  # shm: where a pusher writes the update in progress
+    url: str | None = None  # the HTTP API, when served
+
+
+class GenerateReply(msgspec.Struct, frozen=True, kw_only=True):
+    output_ids: list[int]
+    output_token_logprobs: list[float] | None
+    finish_reason: str | None
+    weight_version: str
+
+
+# -- messages -------------------------------------------------------------------------------
+
+
+class Generate(Message):
+    request: GenerateRequest
+    Reply: ClassVar[Any] = GenerateReply
+
+
+class EngineStatus(Message):
+    Reply: ClassVar[Any] = EngineState
+
+
+class PauseEngine(Message):
+    mode: str = "in_place"
+    Reply: ClassVar[Any] = EngineState
+
+
+class ResumeEngine(Message):
+    Reply: ClassVar[Any] = EngineState
+
+
+class BeginUpdate(Message):
+    version: int
+    lease_s: float = 300.0  # abort the update if no CommitUpdate arrives in time
+    Reply: ClassVar[Any] = EngineState
+
+
+class ReceiveBroadcast(Message):
+    """Join the pusher's group (once; kept for later updates) and receive `layout` into the update."""
+
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    group_id: str  # a new id means a new group (the pusher restarted)
+    layout_json: str
+    backend: str = "gloo"
+    timeout_s: float = 300.0
+    Reply: ClassVar[Any] = EngineState
+
+
+class LoadWeightsFile(Message):
+    """Write a safetensors file's tensors into the update in progress (the disk transports' full copy)."""
+
+    path: str
+    Reply: ClassVar[Any] = EngineState
+
+
+class ApplyDelta(Message):
+    """Apply a disk delta written against this engine's version (no BeginUpdate needed)."""
+
+    folder: str
+    Reply: ClassVar[Any] = EngineState
+
+
+class CommitUpdate(Message):
+    checksums: dict[str, str] | None = None  # verify against these before going live
+    Reply: ClassVar[Any] = EngineState
+
+
+class AbortUpdate(Message):
+    reason: str
+    Reply: ClassVar[Any] = EngineState
+
+
+class RandomFill(Message):
+    """Overwrite the live weights with seeded noise (the start of the verification check)."""
+
+    seed: int
+    Reply: ClassVar[Any] = EngineState
+
+
+class GetChecksums(Message):
+    Reply: ClassVar[Any] = dict[str, str]
+
+
+class RdmaTarget(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a pusher writes the update: the engine's queue pair and regions, and each tensor's place."""
+
+    endpoint: Any  # transport.rdma.EndpointInfo (Any here: msgspec decodes it as a plain dict without pyverbs)
+    tensors: dict[str, tuple[int, int, int]]  # name -> (region id, offset, nbytes), for rdma_plan.plan_writes
+
+
+class ConnectRdma(Message):
+    """Register the update's target memory and connect a queue pair to the pusher's (`[rdma]` extra)."""
+
+    pusher: Any  # transport.rdma.EndpointInfo
+    Reply: ClassVar[Any] = RdmaTarget
+
+
+# -- the actor ------------------------------------------------------------------------------
+
+
+class EngineActor(Actor):
+    """An `Engine` over `model_dir`, with the weight-update handlers (module docstring)."""
+
+    engine: Engine
+
+    def __init__(self, model_dir: str, config: EngineConfig | None = None, *, dtype: str = "float32",
+                 http_host: str = "127.0.0.1", http_port: int | None = None) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        self.model_dir = model_dir
+        self.config = config or EngineConfig()
+        self.dtype = dtype
+        self.http = (http_host, http_port)
+        self.server: EngineServer | None = None
+        self.group: WeightGroup | None = None
+        self.group_id = ""
+        self._lease: asyncio.TimerHandle | None = None
+        self._rdma: Any = None  # transport.rdma.RdmaEngineSide of the update in progress
+
+    async def on_start(self) -> None:
+        self.engine = await compute.run(Engine.from_pretrained, self.model_dir, config=self.config,
+                                        dtype=DTYPES[self.dtype])
+        await self.engine.start()
+        colocated.register(self.name, self.engine)
+        host, port = self.http
+        if port is not None:
+            self.server = EngineServer(self.engine, host, port)
+            await self.server.start()
+
+    async def on_stop(self) -> None:
+        await self._close()
+
+    async def on_failure(self, failure: Any) -> None:
+        await self._close()
+
+    async def _close(self) -> None:
+        colocated.unregister(self.name)
+        self._cancel_lease()
+        self._close_rdma()
+        if self.server is not None:
+            await self.server.stop()
+        await self.engine.stop()
+        if self.group is not None:
+            await compute.run(self.group.close)
+            self.group = None
+        await compute.run(self.engine.weights.close)
+
+    def state(self) -> EngineState:
+        w = self.engine.weights
+        return EngineState(
+            name=self.name, version=w.version, label=w.label, paused=self.engine.stats().paused,
+            weights_error=w.serving_error(), updating=w.updating, dtype=self.dtype, num_bytes=w.nbytes,
+            target_segment=w.target_segment if w.updating is not None else None,
+            url=self.server.url if self.server is not None else None)
+
+    # ----- generation -----
+
+    @handler(concurrent=True)
+    async def generate(self, msg: Generate) -> GenerateReply:
+        out = await self.engine.generate(msg.request)
+        return GenerateReply(output_ids=out.output_ids, output_token_logprobs=out.output_token_logprobs,
+                             finish_reason=(out.finish_reason or {}).get("type"), weight_version=out.weight_version)
+
+    @handler(concurrent=True)  # read-only: answers even while a long transfer holds the mailbox
+    async def status(self, msg: EngineStatus) -> EngineState:
+        return self.state()
+
+    @handler
+    async def pause(self, msg: PauseEngine) -> EngineState:
+        await self.engine.pause(msg.mode)
+        return self.state()
+
+    @handler
+    async def resume(self, msg: ResumeEngine) -> EngineState:
+        await self.engine.resume()
+        return self.state()
+
+    # ----- the update protocol -----
+
+    @handler
+    async def begin_update(self, msg: BeginUpdate) -> EngineState:
+        await self.engine.begin_weight_update(msg.version)
+        self._cancel_lease()
+        self._lease = asyncio.get_running_loop().call_later(msg.lease_s, self._lease_expired, msg.version,
+                                                            msg.lease_s)
+        return self.state()
+
+    @handler
+    async def receive_broadcast(self, msg: ReceiveBroadcast) -> EngineState:
+        if self.group is None or self.group_id != msg.group_id:
+            if self.group is not None:
+                await compute.run(self.group.close)
+            self.group = None
+            self.group = await compute.run(WeightGroup.join, msg.host, msg.port, msg.rank, msg.world_size,
+                                           backend=msg.backend, timeout_s=msg.timeout_s)
+            self.group_id = msg.group_id
+        layout = layout_from_json(msg.layout_json)
+        target = self.engine.weights.target()
+        try:
+            await compute.run(recv_buckets, layout, self.group, out=target)
+        except Exception:
+            await compute.run(self.group.close)  # a broken collective leaves the group unusable
+            self.group = None
+            raise
+        self.engine.weights.mark_written(spec.name for bucket in layout for spec in bucket)
+        return self.state()
+
+    @handler
+    async def load_weights_file(self, msg: LoadWeightsFile) -> EngineState:
+        from safetensors.torch import load_file
+
+        tensors = await compute.run(load_file, msg.path)
+        await compute.run(self.engine.weights.write, tensors)
+        return self.state()
+
+    @handler
+    async def apply_delta(self, msg: ApplyDelta) -> EngineState:
+        await self.engine.apply_weight_delta(msg.folder)
+        return self.state()
+
+    @handler
+    async def connect_rdma(self, msg: ConnectRdma) -> RdmaTarget:
+        from miles_async.transport.rdma import EndpointInfo, RdmaEngineSide
+
+        self._close_rdma()
+        pusher = msgspec.convert(msg.pusher, EndpointInfo)
+        side = await compute.run(RdmaEngineSide, self.engine.weights.target())
+        self._rdma = side
+        await compute.run(side.connect, pusher)
+        self.engine.weights.mark_written(side.regions)  # the pusher's one-sided writes: commit checks the rest
+        return RdmaTarget(endpoint=side.info(), tensors=dict(side.regions))
+
+    def _close_rdma(self) -> None:
+        if self._rdma is not None:
+            self._rdma.close()
+            self._rdma = None
+
+    @handler
+    async def commit_update(self, msg: CommitUpdate) -> EngineState:
+        self._cancel_lease()
+        self._close_rdma()
+        await self.engine.commit_weight_update(msg.checksums)
+        return self.state()
+
+    @handler
+    async def abort_update(self, msg: AbortUpdate) -> EngineState:
+        self._cancel_lease()
+        self._close_rdma()
+        await self.engine.abort_weight_update(msg.reason)
+        return self.state()
+
+    @handler
+    async def random_fill(self, msg: RandomFill) -> EngineState:
+        await self.engine.random_fill_weights(msg.seed)
+        return self.state()
+
+    @handler
+    async def checksums(self, msg: GetChecksums) -> dict[str, str]:
+        return await self.engine.weight_checksums()
+
+    # ----- the lease -----
+
+    def _cancel_lease(self) -> None:
+        if self._lease is not None:
+            self._lease.cancel()
+            self._lease = None
+
+    def _lease_expired(self, version: int, lease_s: float) -> None:
+        self._lease = None
+        log.warning("%s: no commit of weight version %d within %gs; aborting the update", self.name, version, lease_s)
+        asyncio.get_running_loop().create_task(self._expire(version, lease_s))
+
+    async def _expire(self, version: int, lease_s: float) -> None:
+        if self.engine.weights.updating != version:
+            return
+        await self.engine.abort_weight_update(f"no commit within the {lease_s:g}s lease: the pusher is gone")
+        await self.engine.resume()

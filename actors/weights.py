@@ -1,0 +1,371 @@
+"""`WeightPusher`: moves each new weight version from the trainer into every engine.
+
+    TrainerRank ──ExportWeights──► WeightManifest ──PushWeights──► WeightPusher ──(transport)──► EngineActor x N
+                                   (or an in-process source)             │
+                                                                         └── PushReport (version, seconds, GB/s)
+
+One push, whatever the transport (`WeightSyncConfig.transport`):
+  1. load the version (the trainer's exported bucket files, or the in-process source) and convert
+     names and layouts to the engine's (`transport.buckets.convert`, one table per family);
+  2. before the first push, if verifying: overwrite every engine's weights with random values
+     (`RandomFill`), so a tensor the transport skips cannot pass by still holding the right bytes;
+  3. pause the engines (`pause_mode`; "none" keeps generating: fine for double-buffered engines);
+  4. move the bytes, bucket by bucket (`bucket_mib`):
+     - colocated: hand the tensors to the engine in this process (no copy where the dtype matches);
+     - broadcast: `BeginUpdate`, then a torch.distributed broadcast from this actor (rank 0) to
+       the engines of its own group (gloo on CPU, NCCL on GPU; joined once, kept);
+     - shm: `BeginUpdate` returns the engine's target segment; the shards are written straight into it;
+     - disk_delta: the changed elements since the last pushed version, written under `delta_dir`,
+       which every engine reads (`ApplyDelta`); the first push, or an engine that missed one,
+       gets the whole version as one file there (`LoadWeightsFile`);
+     - rdma: `BeginUpdate`, queue pairs exchanged by `ConnectRdma`, then one-sided writes into the
+       engine's registered target (`[rdma]` extra; runs only where an RDMA device is);
+  5. commit: each engine verifies the per-tensor checksums it is sent (when verifying), then makes
+     the version live (bump); 6. resume the engines.
+A failure midway aborts the update on every engine (a double-buffered engine keeps serving its
+previous version; a single-buffered one refuses requests until a complete version arrives) and
+resumes them; if this actor dies instead, each engine's update lease runs out and does the same.
+
+The heavy work (casting, checksums, sending) runs on this actor's own worker thread.
+Try it: `pytest tests/dist/test_weight_updates.py -s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import msgspec
+import torch
+
+from miles_async.actors.engine import (
+    DTYPES,
+    AbortUpdate,
+    ApplyDelta,
+    BeginUpdate,
+    CommitUpdate,
+    EngineState,
+    EngineStatus,
+    GetChecksums,
+    LoadWeightsFile,
+    PauseEngine,
+    RandomFill,
+    ReceiveBroadcast,
+    ResumeEngine,
+)
+from miles_async.actors.trainer import WeightManifest
+from miles_async.engine.core import PAUSE_MODES
+from miles_async.engine.weights import StaleVersionError
+from miles_async.runtime import Actor, ActorRef, Message, handler
+from miles_async.transport import colocated
+from miles_async.transport.broadcast import layout_of, layout_to_json, send_buckets
+from miles_async.transport.buckets import CONVERTERS, convert, split_buckets
+from miles_async.transport.errors import TransportError
+from miles_async.transport.groups import BACKENDS, WeightGroup
+from miles_async.transport.verify import checksums, compare
+
+T = TypeVar("T")
+TRANSPORTS = ("colocated", "broadcast", "shm", "disk_delta", "rdma")
+VERIFY = ("never", "first", "always")
+Source = Callable[[], Mapping[str, torch.Tensor]]
+
+
+class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """How weights reach the engines (the recipe's `[weights]` table)."""
+
+    family: str  # the model family: picks the name/layout converter
+    transport: str = "broadcast"
+    bucket_mib: float = 256.0
+    pause_mode: str = "in_place"  # an engine pause mode, or "none" (double-buffered engines)
+    verify: str = "first"  # never | first (random-fill check on the first push) | always
+    verify_seed: int = 0
+    delta_dir: str = ""  # disk_delta: a folder every engine can read
+    keep_deltas: int = 2  # disk_delta: how many pushed versions stay on disk
+    backend: str = "gloo"  # broadcast: gloo on CPU, nccl on GPU
+    host: str = "127.0.0.1"  # broadcast: where this actor's group store listens
+    lease_s: float = 300.0  # an engine aborts an update not committed within this
+    timeout_s: float = 600.0  # for each engine step of a push
+
+    def __post_init__(self) -> None:
+        checks = (("transport", TRANSPORTS), ("verify", VERIFY), ("backend", BACKENDS),
+                  ("pause_mode", (*PAUSE_MODES, "none")), ("family", tuple(CONVERTERS)))
+        for field, allowed in checks:
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"WeightSyncConfig.{field}={getattr(self, field)!r} is not one of "
+                                 f"{', '.join(allowed)}")
+        if self.bucket_mib <= 0:
+            raise ValueError(f"WeightSyncConfig.bucket_mib must be > 0, got {self.bucket_mib}")
+        if self.transport == "disk_delta" and not self.delta_dir:
+            raise ValueError("WeightSyncConfig.delta_dir is required for transport 'disk_delta' "
+                             "(a folder every engine can read)")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mib * 2**20)
+
+
+class PushReport(msgspec.Struct, frozen=True, kw_only=True):
+    version: int
+    transport: str
+    seconds: float  # pause to resume
+    num_bytes: int  # of the engine-dtype weights, per engine
+    bytes_per_s: float
+    verified: bool
+    engines: list[EngineState]
+
+
+class PushWeights(Message):
+    """Push `version`: from the trainer's exported files (`manifest`), or from the in-process source."""
+
+    version: int
+    manifest: WeightManifest | None = None
+    Reply: ClassVar[Any] = PushReport
+
+
+class WeightPusher(Actor):
+    """Pushes versions to the engines named `engines` (module docstring)."""
+
+    def __init__(self, engines: list[str], config: WeightSyncConfig, source: Source | None = None) -> None:
+        if not engines:
+            raise ValueError("WeightPusher needs at least one engine name")
+        if config.transport == "rdma":
+            from miles_async.transport.rdma import require_pyverbs
+
+            require_pyverbs()  # fail at spawn, naming the [rdma] extra
+        self.engine_names = list(engines)
+        self.config = config
+        self.source = source
+        self.refs: list[ActorRef] = []
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-pusher")
+        self.group: WeightGroup | None = None
+        self.group_id = ""
+        self._store: Any = None
+        self._verified_once = False
+        self._base: dict[str, torch.Tensor] | None = None  # disk_delta: the engines' current version
+        self._base_version = -1
+
+    async def on_start(self) -> None:
+        self.refs = [await self.system.lookup(name, timeout_s=self.config.timeout_s) for name in self.engine_names]
+
+    async def on_stop(self) -> None:
+        await self._close_group()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def on_failure(self, failure: Any) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def _ask_all(self, msg: Message) -> list[Any]:
+        return list(await asyncio.gather(*(ref.ask(msg, timeout_s=self.config.timeout_s) for ref in self.refs)))
+
+    # ----- one push -----
+
+    @handler
+    async def push(self, msg: PushWeights) -> PushReport:
+        cfg = self.config
+        converted = await self._on_thread(self._load, msg.manifest)
+        states = await self._ask_all(EngineStatus())
+        for state in states:  # before pausing anything; each engine checks again when the update begins
+            if state.version >= msg.version:
+                raise StaleVersionError(f"weight version {msg.version} is not newer than the engine's {state.version} "
+                                        f"({state.name}); the update is rejected (push a newer version)")
+        dtypes = {s.dtype for s in states}
+        if len(dtypes) != 1:
+            raise ValueError(f"the engines hold different dtypes ({', '.join(sorted(dtypes))}); one pusher per dtype")
+        dtype = DTYPES[dtypes.pop()]
+        cast = await self._on_thread(_cast, converted, dtype)
+        verify = cfg.verify == "always" or (cfg.verify == "first" and not self._verified_once)
+        if verify and not self._verified_once:
+            await self._ask_all(RandomFill(seed=cfg.verify_seed))
+        expected = await self._on_thread(checksums, cast) if verify else None
+        start = time.perf_counter()
+        if cfg.pause_mode != "none":
+            await self._ask_all(PauseEngine(mode=cfg.pause_mode))
+        try:
+            await self._move(msg.version, converted, cast, expected)
+        except BaseException as e:
+            await asyncio.gather(*(ref.ask(AbortUpdate(reason=f"the pusher failed: {type(e).__name__}: {e}"),
+                                           timeout_s=cfg.timeout_s) for ref in self.refs), return_exceptions=True)
+            raise
+        finally:
+            if cfg.pause_mode != "none":
+                await asyncio.gather(*(ref.ask(ResumeEngine(), timeout_s=cfg.timeout_s) for ref in self.refs),
+                                     return_exceptions=True)
+        seconds = time.perf_counter() - start
+        self._verified_once = self._verified_once or verify
+        num_bytes = sum(t.numel() * t.element_size() for t in cast.values())
+        return PushReport(version=msg.version, transport=cfg.transport, seconds=seconds, num_bytes=num_bytes,
+                          bytes_per_s=num_bytes / max(seconds, 1e-9), verified=verify,
+                          engines=await self._ask_all(EngineStatus()))
+
+    def _load(self, manifest: WeightManifest | None) -> dict[str, torch.Tensor]:
+        if manifest is not None:
+            from safetensors.torch import load_file
+
+            named: dict[str, torch.Tensor] = {}
+            for bucket in manifest.buckets:
+                named.update(load_file(bucket.path))
+        elif self.source is not None:
+            named = dict(self.source())
+        else:
+            raise ValueError("PushWeights without a manifest needs a pusher built with an in-process source")
+        return convert(self.config.family, named)
+
+    async def _move(self, version: int, converted: dict[str, torch.Tensor], cast: dict[str, torch.Tensor],
+                    expected: dict[str, str] | None) -> None:
+        transport = self.config.transport
+        if transport == "colocated":
+            for name in self.engine_names:
+                await colocated.handoff(name, converted, version, expected)
+            return
+        if transport == "disk_delta":
+            await self._push_delta(version, cast, expected)
+            return
+        states = await self._ask_all(BeginUpdate(version=version, lease_s=self.config.lease_s))
+        buckets = split_buckets(cast, self.config.bucket_bytes)
+        if transport == "shm":
+            segments = [s.target_segment for s in states]
+            await self._on_thread(_write_segments, segments, buckets)
+        elif transport == "rdma":
+            for ref in self.refs:
+                await self._rdma_write(ref, buckets)
+        else:
+            await self._broadcast(buckets)
+        await self._ask_all(CommitUpdate(checksums=expected))
+
+    # ----- broadcast -----
+
+    async def _broadcast(self, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
+        cfg = self.config
+        world_size = len(self.refs) + 1
+        if self.group is None:
+            self._store = await self._on_thread(WeightGroup.open_store, cfg.host, world_size, cfg.timeout_s)
+            self.group_id = uuid.uuid4().hex
+        layout_json = layout_to_json(layout_of(buckets))
+        receives = [ref.ask_future(ReceiveBroadcast(
+            host=cfg.host, port=self._store.port, rank=rank, world_size=world_size, group_id=self.group_id,
+            layout_json=layout_json, backend=cfg.backend, timeout_s=cfg.timeout_s), timeout_s=cfg.timeout_s)
+            for rank, ref in enumerate(self.refs, start=1)]
+        try:
+            if self.group is None:
+                self.group = await self._on_thread(functools.partial(
+                    WeightGroup.join, cfg.host, self._store.port, 0, world_size, backend=cfg.backend,
+                    timeout_s=cfg.timeout_s, store=self._store))
+            await self._on_thread(send_buckets, buckets, self.group)
+        except BaseException:
+            await self._close_group()
+            raise
+        finally:
+            results = await asyncio.gather(*receives, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self._close_group()
+            raise errors[0]
+
+    async def _close_group(self) -> None:
+        if self.group is not None:
+            group, self.group = self.group, None
+            await self._on_thread(group.close)
+        self._store = None
+
+    # ----- rdma -----
+
+    async def _rdma_write(self, ref: ActorRef, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
+        """Queue pairs exchanged through actor messages, then one-sided writes into the engine's target.
+
+        A fresh pair per update: the engine's target alternates between its two buffers and a
+        queue pair connects to one peer. Registering memory per update costs a little time; an
+        engine that kept both buffers registered would save it.
+        """
+        from miles_async.actors.engine import ConnectRdma
+        from miles_async.transport.rdma import EndpointInfo, RdmaPusherSide
+        from miles_async.transport.rdma_plan import plan_writes
+
+        slot_bytes = max(sum(t.numel() * t.element_size() for _, t in bucket) for bucket in buckets)
+        side = await self._on_thread(RdmaPusherSide, slot_bytes)
+        try:
+            target = await ref.ask(ConnectRdma(pusher=side.info()), timeout_s=self.config.timeout_s)
+            await self._on_thread(side.connect, msgspec.convert(target.endpoint, EndpointInfo))
+            sizes = [[(name, t.numel() * t.element_size()) for name, t in bucket] for bucket in buckets]
+            plan = plan_writes(sizes, {name: tuple(place) for name, place in target.tensors.items()})
+            await self._on_thread(functools.partial(side.write, plan, buckets, timeout_s=self.config.timeout_s))
+        finally:
+            await self._on_thread(side.close)
+
+    # ----- disk delta -----
+
+    async def _push_delta(self, version: int, cast: dict[str, torch.Tensor], expected: dict[str, str] | None) -> None:
+        from miles_async.transport.disk_delta import write_delta
+
+        cfg = self.config
+        root = Path(cfg.delta_dir)
+        states = await self._ask_all(EngineStatus())
+        fits = [self._base is not None and s.version == self._base_version for s in states]
+        if any(fits):
+            stats = await self._on_thread(write_delta, root, self._base, cast, self._base_version, version)
+            results = await asyncio.gather(*(ref.ask(ApplyDelta(folder=str(stats.folder)), timeout_s=cfg.timeout_s)
+                                             for ref, fit in zip(self.refs, fits) if fit), return_exceptions=True)
+            applied = iter(results)
+            fits = [fit and not isinstance(next(applied), BaseException) for fit in fits]
+        if not all(fits):  # the whole version as one file, for engines the delta does not fit
+            path = root / f"full_v{version:08d}.safetensors"
+            await self._on_thread(_save_file, cast, path)
+            for ref in (ref for ref, fit in zip(self.refs, fits) if not fit):
+                await ref.ask(BeginUpdate(version=version, lease_s=cfg.lease_s), timeout_s=cfg.timeout_s)
+                await ref.ask(LoadWeightsFile(path=str(path)), timeout_s=cfg.timeout_s)
+                await ref.ask(CommitUpdate(checksums=expected), timeout_s=cfg.timeout_s)
+        if expected is not None:  # a delta checks the tensors it holds; this catches one it left out
+            for ref in (ref for ref, fit in zip(self.refs, fits) if fit):
+                bad = compare(expected, await ref.ask(GetChecksums(), timeout_s=cfg.timeout_s))
+                if bad:
+                    raise TransportError(f"engine {ref.name}: verification failed after the delta to version "
+                                         f"{version}: {len(bad)} tensor(s) differ, e.g. {', '.join(bad[:4])}")
+        self._base, self._base_version = cast, version
+        await self._on_thread(_prune, root, cfg.keep_deltas)
+
+
+def _cast(named: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {name: t.detach().to(dtype).contiguous() for name, t in named.items()}
+
+
+def _write_segments(segments: list[str | None], buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
+    from miles_async.transport.shm import SharedWeights
+
+    for name in segments:
+        if name is None:
+            raise ValueError("an engine has no shared segment: start it with EngineConfig(shared_weights=True) "
+                             "to use the shm transport")
+        handle = SharedWeights.attach(name)
+        try:
+            handle.write(item for bucket in buckets for item in bucket)
+        finally:
+            handle.close()
+
+
+def _save_file(named: Mapping[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    save_file(dict(named), str(tmp))
+    tmp.rename(path)
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Remove all but the newest `keep` pushed versions (delta folders and full files) under root."""
+    entries = sorted((p for p in root.iterdir() if p.name.startswith(("delta_", "full_v"))),
+                     key=lambda p: p.stat().st_mtime)
+    for path in entries[:-keep] if keep > 0 else entries:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)

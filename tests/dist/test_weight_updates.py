@@ -1,0 +1,261 @@
+"""Weight updates end to end over the real runtime: `WeightPusher` -> `EngineActor`s in their own
+processes, for every transport that runs here, with the random-fill verification check, an
+update interrupted by killing the pusher, and the trainer's exported files as the source.
+
+Every scenario has a deadline; waits poll with one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from _support import config, scenario, wait_until
+
+from miles_async.actors.engine import (
+    BeginUpdate,
+    EngineActor,
+    EngineStatus,
+    Generate,
+    GetChecksums,
+)
+from miles_async.actors.trainer import ExportWeights, TrainerGroup, TrainStep
+from miles_async.actors.weights import PushWeights, WeightPusher, WeightSyncConfig
+from miles_async.engine.core import EngineConfig
+from miles_async.engine.request import GenerateRequest
+from miles_async.engine.sampling import SamplingParams
+from miles_async.models import init_model, load_pretrained
+from miles_async.runtime import ActorSystem, Message, RemoteError, handler
+from miles_async.trainer.config import TrainerConfig
+from miles_async.trainer.packing import TrainSample
+from miles_async.transport.shm import SharedWeights
+from miles_async.transport.verify import checksums
+
+TIMEOUT_S = 150.0
+ASK_S = 60.0
+PROMPT = [5, 9, 13, 17, 21]
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    return [init_model("qwen3", "tiny", tmp_path_factory.mktemp(f"m{seed}"), seed=seed, init_std=0.3)
+            for seed in range(4)]
+
+
+def weights_of(path: Path) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in load_pretrained(path).named_parameters()}
+
+
+class Source:
+    """The pusher's in-process source: the weights of the checkpoint named by `Pick` (picklable)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+        self.index = 0
+
+    def __call__(self) -> dict[str, torch.Tensor]:
+        return weights_of(Path(self.paths[self.index]))
+
+
+class Pick(Message):
+    index: int
+    Reply: ClassVar[Any] = None
+
+
+class Pid(Message):
+    Reply: ClassVar[Any] = int
+
+
+class TestPusher(WeightPusher):
+    """Chooses its source checkpoint by message; `drop` makes its transport skip one tensor."""
+
+    __test__ = False
+    drop = ""
+    hang_after_half = False
+
+    @handler
+    async def pick(self, msg: Pick) -> None:
+        self.source.index = msg.index
+
+    @handler(concurrent=True)
+    async def pid(self, msg: Pid) -> int:
+        return os.getpid()
+
+    async def _move(self, version, converted, cast, expected) -> None:
+        if self.drop:
+            converted = {n: t for n, t in converted.items() if n != self.drop}
+            cast = {n: t for n, t in cast.items() if n != self.drop}
+        if self.hang_after_half:  # begin, write half into the segment, then stall until killed
+            states = await self._ask_all(BeginUpdate(version=version, lease_s=self.config.lease_s))
+            handle = SharedWeights.attach(states[0].target_segment)
+            handle._set_seq(handle.seq + 1)
+            for name, tensor in list(cast.items())[: len(cast) // 2]:
+                handle.tensors[name].copy_(tensor)
+            await asyncio.Event().wait()
+        await super()._move(version, converted, cast, expected)
+
+
+class DroppingPusher(TestPusher):
+    drop = "model.layers.1.mlp.down_proj.weight"
+
+
+class HangingPusher(TestPusher):
+    hang_after_half = True
+
+
+async def greedy(ref) -> tuple[list[int], str]:
+    reply = await ref.ask(Generate(request=GenerateRequest(input_ids=PROMPT, sampling_params=GREEDY)), timeout_s=ASK_S)
+    return reply.output_ids, reply.weight_version
+
+
+async def reference_outputs(system: ActorSystem, dirs: list[Path]) -> list[list[int]]:
+    refs = [await system.spawn(EngineActor, f"ref{i}", args=(str(d), EngineConfig(kv_cache_mib=2, max_seq_len=64)))
+            for i, d in enumerate(dirs)]
+    outputs = [(await greedy(ref))[0] for ref in refs]
+    for ref in refs:
+        await system.stop(ref)
+    return outputs
+
+
+def engine_config(**overrides: Any) -> EngineConfig:
+    return EngineConfig(kv_cache_mib=2, max_seq_len=64, **overrides)
+
+
+def test_every_transport_delivers_verified_versions_to_engines_in_other_processes(dirs, tmp_path):
+    paths = [str(d) for d in dirs]
+
+    async def main() -> None:
+        async with ActorSystem(config=config("ipc")) as system:
+            expected = await reference_outputs(system, dirs)
+            engines = await asyncio.gather(*(system.spawn(
+                EngineActor, f"engine{i}", process=True,
+                args=(paths[0], engine_config(shared_weights=True, double_buffer=True))) for i in range(2)))
+            assert [(await greedy(e))[0] for e in engines] == [expected[0]] * 2
+            names = [e.name for e in engines]
+            version = 0
+            for transport, index in (("shm", 1), ("broadcast", 2), ("broadcast", 3), ("disk_delta", 1),
+                                     ("disk_delta", 2)):
+                cfg = WeightSyncConfig(family="qwen3", transport=transport, verify="always", bucket_mib=0.05,
+                                       delta_dir=str(tmp_path / "deltas"), timeout_s=ASK_S)
+                pusher = await system.spawn(TestPusher, f"pusher-{transport}-{version}",
+                                            args=(names, cfg, Source(paths)))
+                await pusher.ask(Pick(index=index), timeout_s=ASK_S)
+                version += 1
+                report = await pusher.ask(PushWeights(version=version), timeout_s=ASK_S)
+                assert report.verified and report.num_bytes > 0 and report.bytes_per_s > 0
+                assert [s.version for s in report.engines] == [version, version]
+                for engine in engines:
+                    assert await greedy(engine) == (expected[index], str(version)), (transport, index)
+                if transport != "disk_delta":  # the delta pusher keeps its base for the next push
+                    await system.stop(pusher)
+            with pytest.raises(RemoteError, match="not newer than the engine's"):
+                await pusher.ask(PushWeights(version=version - 1), timeout_s=ASK_S)
+
+    scenario(main, TIMEOUT_S)
+
+
+def test_random_fill_check_catches_a_transport_that_skips_a_tensor(dirs):
+    paths = [str(d) for d in dirs]
+
+    async def main() -> None:
+        async with ActorSystem(config=config("ipc")) as system:
+            engine = await system.spawn(EngineActor, "engine", process=True,
+                                        args=(paths[0], engine_config(shared_weights=True, double_buffer=True)))
+            cfg = WeightSyncConfig(family="qwen3", transport="shm", verify="first", timeout_s=ASK_S)
+            pusher = await system.spawn(DroppingPusher, "dropping", args=([engine.name], cfg, Source(paths)))
+            with pytest.raises(RemoteError, match=r"verification failed: 1 tensor\(s\).*mlp.down_proj"):
+                await pusher.ask(PushWeights(version=1), timeout_s=ASK_S)
+            state = await engine.ask(EngineStatus(), timeout_s=ASK_S)
+            assert state.version == 0 and state.updating is None and state.paused is None
+            # The same push without the drop passes the check.
+            good = await system.spawn(TestPusher, "good", args=([engine.name], cfg, Source(paths)))
+            report = await good.ask(PushWeights(version=1), timeout_s=ASK_S)
+            assert report.verified and report.engines[0].version == 1
+            sums = await engine.ask(GetChecksums(), timeout_s=ASK_S)
+            assert sums == checksums(weights_of(dirs[0]))
+
+    scenario(main, TIMEOUT_S)
+
+
+@pytest.mark.parametrize("double_buffer", [True, False])
+def test_killing_the_pusher_midway_never_serves_a_mix_of_versions(dirs, double_buffer):
+    paths = [str(d) for d in dirs]
+
+    async def main() -> None:
+        async with ActorSystem(config=config("ipc")) as system:
+            expected = await reference_outputs(system, [dirs[0], dirs[1]])
+            engine = await system.spawn(EngineActor, "engine", process=True,
+                                        args=(paths[0], engine_config(shared_weights=True,
+                                                                      double_buffer=double_buffer)))
+            cfg = WeightSyncConfig(family="qwen3", transport="shm", verify="never", lease_s=2.0, timeout_s=ASK_S)
+            pusher = await system.spawn(HangingPusher, "hanging", process=True, args=([engine.name], cfg, Source(paths)))
+            pid = await pusher.ask(Pid(), timeout_s=ASK_S)
+            push = pusher.ask_future(PushWeights(version=1), timeout_s=ASK_S)
+            state = None
+
+            async def updating() -> bool:
+                nonlocal state
+                state = await engine.ask(EngineStatus(), timeout_s=ASK_S)
+                return state.updating == 1
+
+            while not await updating():
+                await asyncio.sleep(0.05)
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(Exception):  # noqa: B017 - the pusher's death, whichever way it is reported
+                await push
+            # The lease runs out: the engine aborts the update and resumes.
+            deadline = asyncio.get_running_loop().time() + 30
+            while (state := await engine.ask(EngineStatus(), timeout_s=ASK_S)).updating is not None:
+                assert asyncio.get_running_loop().time() < deadline, "the engine never gave up the update"
+                await asyncio.sleep(0.1)
+            assert state.version == 0 and state.paused is None
+            if double_buffer:
+                assert state.weights_error is None
+                assert await greedy(engine) == (expected[0], "0")
+            else:
+                assert "did not complete" in state.weights_error
+                with pytest.raises(RemoteError, match="torn"):
+                    await greedy(engine)
+            # A complete version from a new pusher makes it serve again.
+            fresh = await system.spawn(TestPusher, "fresh", args=([engine.name], cfg, Source(paths)))
+            await fresh.ask(Pick(index=1), timeout_s=ASK_S)
+            await fresh.ask(PushWeights(version=2), timeout_s=ASK_S)
+            assert await greedy(engine) == (expected[1], "2")
+
+    scenario(main, TIMEOUT_S)
+
+
+def test_trainer_export_feeds_the_pusher_through_the_family_converter(dirs, tmp_path):
+    trainer_config = TrainerConfig(model_dir=str(dirs[0]), lr=1e-3, micro_batch_tokens=24, num_threads=1,
+                                   weights_dir=str(tmp_path / "weights"), weight_bucket_bytes=64 << 10)
+    samples = [TrainSample(tokens=list(range(3, 3 + n)), loss_mask=[0] * 2 + [1] * (n - 2),
+                           rollout_logprobs=[-5.0] * n, advantage=1.0, reward=1.0) for n in (9, 12)]
+
+    async def main() -> None:
+        async with ActorSystem(config=config("ipc")) as system:
+            trainer = await TrainerGroup.spawn(system, trainer_config, 1)
+            engine = await system.spawn(EngineActor, "engine", process=True,
+                                        args=(str(dirs[0]), engine_config(double_buffer=True), ),
+                                        kwargs={"dtype": "bfloat16"})
+            metrics = await trainer.ask(TrainStep(samples=samples), ASK_S)
+            manifest = await trainer.ask(ExportWeights(), ASK_S)
+            cfg = WeightSyncConfig(family="qwen3", transport="broadcast", verify="first", timeout_s=ASK_S)
+            pusher = await system.spawn(WeightPusher, "pusher", args=([engine.name], cfg))
+            report = await pusher.ask(PushWeights(version=metrics.weight_version, manifest=manifest), timeout_s=ASK_S)
+            assert report.verified and report.engines[0].version == metrics.weight_version == 1
+            exported = {}
+            from safetensors.torch import load_file
+
+            for bucket in manifest.buckets:
+                exported.update(load_file(bucket.path))
+            sums = await engine.ask(GetChecksums(), timeout_s=ASK_S)
+            assert sums == checksums({n: t.to(torch.bfloat16) for n, t in exported.items()})
+            await trainer.stop()
+
+    scenario(main, TIMEOUT_S)
