@@ -26,6 +26,7 @@ Try it: `pytest tests/dist/test_weight_updates.py -s`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any, ClassVar
 
@@ -258,7 +259,8 @@ class EngineActor(Actor):
         layout = layout_from_json(msg.layout_json)
         target = self.engine.weights.target()
         try:
-            await compute.run(recv_buckets, layout, self.group, out=target)
+            device = next(iter(target.values())).device  # NCCL receives into device memory
+            await compute.run(functools.partial(recv_buckets, layout, self.group, out=target, device=device))
         except Exception:
             await compute.run(self.group.close)  # a broken collective leaves the group unusable
             self.group = None

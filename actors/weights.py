@@ -260,7 +260,8 @@ class WeightPusher(Actor):
                 self.group = await self._on_thread(functools.partial(
                     WeightGroup.join, cfg.host, self._store.port, 0, world_size, backend=cfg.backend,
                     timeout_s=cfg.timeout_s, store=self._store))
-            await self._on_thread(send_buckets, buckets, self.group)
+            device = "cuda" if cfg.backend == "nccl" else "cpu"  # NCCL moves device memory only
+            await self._on_thread(functools.partial(send_buckets, buckets, self.group, device=device))
         except BaseException:
             await self._close_group()
             raise

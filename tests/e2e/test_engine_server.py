@@ -330,6 +330,34 @@ def test_weight_update_from_disk_changes_outputs_and_bumps_the_version(model_dir
     assert after["output_ids"] == greedy_loop(new_model, prompt, 10) != before["output_ids"]
 
 
+def test_torn_weights_fail_health_and_requests_and_older_versions_are_refused(model_dir):
+    prompt = prompts(1)[0]
+
+    async def scenario():
+        engine = Engine.from_pretrained(str(model_dir), config=EngineConfig(kv_cache_mib=8))
+        async with EngineServer(engine) as server, EngineClient(server.url, timeout_s=TIMEOUT_S) as client:
+            await client.update_weights_from_disk(str(model_dir), weight_version="5")
+            with pytest.raises(EngineHTTPError) as older:
+                await client.update_weights_from_disk(str(model_dir), weight_version="4")
+            healthy = await client.health()
+            await engine.begin_weight_update(6)
+            await engine.abort_weight_update("the pusher died")  # single buffer: torn
+            torn_health = await client.health()
+            async with aiohttp.ClientSession() as http, http.get(f"{server.url}/health") as r:
+                health_status, health_body = r.status, await r.json()
+            with pytest.raises(EngineHTTPError) as refused:
+                await client.generate(input_ids=prompt, sampling_params=GREEDY)
+            await client.update_weights_from_disk(str(model_dir), weight_version="7")
+            return (older.value, healthy, torn_health, health_status, health_body, refused.value,
+                    await client.health(), await client.generate(input_ids=prompt, sampling_params=GREEDY))
+
+    older, healthy, torn_health, status, body, refused, recovered, out = run(scenario())
+    assert older.status == 400 and "weight version 4 is not newer than the engine's 5" in older.message
+    assert healthy and not torn_health and status == 503 and "version 6 did not complete" in body["error"]["message"]
+    assert refused.status == 503 and "torn" in refused.message
+    assert recovered and out["meta_info"]["weight_version"] == "7"
+
+
 def test_prefix_cache_hits_and_flush(model_dir):
     system = prompts(1, start_len=40)[0]
 
