@@ -476,7 +476,26 @@ class _Endpoint:
         self.mrs = []
 
 
-class RdmaEngineSide:
+class _Side:
+    """What both sides share: the endpoint's device name and closing it (also on leaving a `with`)."""
+
+    _ep: _Endpoint
+
+    @property
+    def device(self) -> str:
+        return self._ep.device
+
+    def close(self) -> None:
+        self._ep.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RdmaEngineSide(_Side):
     """The receiver: registers the engine's weight tensors for remote writes and publishes where they are.
 
     `tensors` must be contiguous CPU tensors (GPU memory would need GPUDirect RDMA); they stay
@@ -500,9 +519,6 @@ class RdmaEngineSide:
         self._region_infos = tuple(RegionInfo(name=name, addr=addr, rkey=mr.rkey, length=length)
                                    for (name, addr, length), mr in zip(layout, mrs, strict=True))
 
-    @property
-    def device(self) -> str:
-        return self._ep.device
 
     def info(self) -> EndpointInfo:
         return self._ep.info(self._region_infos)
@@ -510,17 +526,9 @@ class RdmaEngineSide:
     def connect(self, peer: EndpointInfo) -> None:
         self._ep.connect(self.info(), peer)
 
-    def close(self) -> None:
-        self._ep.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
-class RdmaPusherSide:
+class RdmaPusherSide(_Side):
     """The sender: a registered two-slot staging buffer and an RC QP that writes into the engine's regions.
 
     `slot_bytes` bounds a bucket (use the transport's bucket size); `max_send_wr` bounds the
@@ -549,9 +557,6 @@ class RdmaPusherSide:
         self._peer: EndpointInfo | None = None
         self._broken: str | None = None
 
-    @property
-    def device(self) -> str:
-        return self._ep.device
 
     def info(self) -> EndpointInfo:
         return self._ep.info()
@@ -599,11 +604,3 @@ class RdmaPusherSide:
         _, completions = self._ep.cq.poll(num_entries=16)
         return [(wc.wr_id, wc.status, wc.vendor_err) for wc in completions]
 
-    def close(self) -> None:
-        self._ep.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
