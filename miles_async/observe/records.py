@@ -1,0 +1,136 @@
+"""The run trace: what happened, when, on which engine, at which weight version.
+
+`RUN_DIR/trace.jsonl` holds one JSON object per line, each tagged by its `kind` field. It is the
+input of the simulator (`sim/`): replaying a real run's timings against the real policies on a
+virtual clock is how a scheduling change is judged before it is run. So the schema is a
+contract: new fields are appended with defaults, fields are never renamed or retyped.
+
+Times are seconds since the run started (the controller's clock at launch), as floats; a
+duration is the difference of two of them unless it has its own `_s` field.
+
+kind = "sample" (`SampleTrace`): one attempt at one completion of one prompt.
+    prompt_id      int    the prompt's id in its task (stable across epochs)
+    index          int    which of the group's completions this is (0 .. n_samples_per_prompt-1)
+    attempt        int    0 for the first try; +1 each time the sample is resubmitted after an abort
+    engine         str    the engine actor that generated it (its actor name)
+    submit_s       s      when the rollout side submitted the request
+    end_s          s      when the completion (or its abort) came back
+    prompt_tokens  tokens prompt length
+    output_tokens  tokens generated length (partial length for an aborted attempt)
+    versions       [int]  weight version of each engine call that contributed tokens, in order
+                          (more than one entry when generation spanned a weight update)
+    reward         float  the reward given; 0.0 when the sample was dropped before scoring
+    finish_reason  str    "stop", "length", "abort", ... as the engine reported it
+    dropped        str    "" when the sample went to the buffer; else why not: "stale",
+                          "aborted", "filtered" (as counted by the metrics' dropped_* keys)
+
+kind = "train_step" (`StepTrace`): one optimiser step of the trainer.
+    step            int    1-based optimiser step number
+    weight_version  int    the version the weights get after this step
+    start_s         s      when the trainer began waiting for this step's batch
+    end_s           s      when the step's weight update was done
+    wait_data_s     s      time blocked on the buffer for a full batch
+    train_s         s      forward/backward/optimiser time
+    update_s        s      time spent pushing the new weights to the engines
+    num_samples     int    samples in the batch
+    num_tokens      tokens tokens in the batch (prompt + output)
+    staleness_mean  float  mean over the batch of (trainer version - oldest generating version)
+    staleness_max   int    maximum of the same
+    prompt_ids      list   the dataset positions of the groups trained in the step
+
+kind = "weight_update" (`UpdateTrace`): one broadcast of new weights to the engines.
+    version    int    the weight version pushed
+    start_s    s      when the push began
+    end_s      s      when every engine acknowledged the new version
+    transport  str    how the weights travelled ("shm", "nccl", "disk", "rdma", ...)
+    num_bytes  bytes  bytes sent (per engine, the tensor payload)
+    paused_s   s      how long generation was paused for the update (0.0 if it was not)
+
+kind = "eval" (`EvalTrace`): one evaluation of the current policy.
+    step         int    the train step whose weights were evaluated
+    score        float  the task's score (its own scale; mean reward for most tasks)
+    num_samples  int    samples evaluated
+    mode         str    how they were generated ("greedy", "sampled", ...)
+
+Write with `logs.TraceLog`; read back with `decode_trace(path)`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+__all__ = ["EvalTrace", "SampleTrace", "StepTrace", "TraceRecord", "UpdateTrace", "decode_trace"]
+
+
+class SampleTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="sample"):
+    prompt_id: int
+    index: int
+    attempt: int = 0
+    engine: str
+    submit_s: float
+    end_s: float
+    prompt_tokens: int
+    output_tokens: int
+    versions: list[int]
+    reward: float = 0.0
+    finish_reason: str
+    dropped: str = ""
+
+
+class StepTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="train_step"):
+    step: int
+    weight_version: int
+    start_s: float
+    end_s: float
+    wait_data_s: float
+    train_s: float
+    update_s: float
+    num_samples: int
+    num_tokens: int
+    staleness_mean: float
+    staleness_max: int
+    prompt_ids: list[int] = []  # the dataset positions of the groups trained
+
+
+class UpdateTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="weight_update"):
+    version: int
+    start_s: float
+    end_s: float
+    transport: str
+    num_bytes: int
+    paused_s: float = 0.0
+
+
+class EvalTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="eval"):
+    step: int
+    score: float
+    num_samples: int
+    mode: str
+
+
+TraceRecord = SampleTrace | StepTrace | UpdateTrace | EvalTrace
+
+# Built once: the decoder compiles its tagged-union dispatch on construction.
+_decoder = msgspec.json.Decoder(TraceRecord)
+
+
+def decode_trace(path: str | Path) -> list[TraceRecord]:
+    """Every record of a trace.jsonl, in file order; blank lines are skipped.
+
+    Raises ValueError naming the file and line number for a line that is not a valid record
+    (bad JSON, unknown `kind`, a missing or mistyped field).
+    """
+    path = Path(path)
+    records: list[TraceRecord] = []
+    with path.open("rb") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(_decoder.decode(line))
+            except msgspec.DecodeError as e:
+                raise ValueError(f"{path}:{line_number}: not a trace record ({e}); "
+                                 f"line starts {line[:80]!r}") from e
+    return records
