@@ -74,6 +74,8 @@ class TrainStep(Message):
 
     samples: list[TrainSample]
     data_cursor: int = -1  # -1 leaves the cursor as it is
+    objective: str = ""  # "" = the config's; "sft" for warm-start steps before RL
+    lr: float = 0.0  # 0 = the config's
     Reply: ClassVar[Any] = StepMetrics
 
 
@@ -138,7 +140,8 @@ class TrainerRank(Actor):
     @handler
     async def train_step(self, msg: TrainStep) -> StepMetrics:
         cursor = None if msg.data_cursor < 0 else msg.data_cursor
-        return await self._on_torch_thread(self.trainer.train_step, msg.samples, cursor)
+        return await self._on_torch_thread(self.trainer.train_step, msg.samples, cursor, msg.objective or None,
+                                           msg.lr or None)
 
     @handler
     async def export_weights(self, msg: ExportWeights) -> WeightManifest:

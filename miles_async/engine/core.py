@@ -311,6 +311,7 @@ class Engine:
             rid=state.rid, output_ids=list(state.output_ids), text=text, finish_reason=state.finish_reason,
             prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.output_ids),
             cached_tokens=state.cached_tokens, weight_version=self.weight_version,
+            weight_versions=list(state.weight_versions),
             output_token_logprobs=list(state.output_logprobs) if state.return_logprob else None,
             routed_experts_TLk=state.routed_experts_TLk if finished else None,
             e2e_latency_s=(state.finished_s if finished else time.perf_counter()) - state.created_s)
@@ -649,6 +650,8 @@ class Engine:
                     self.cache.tree.insert(request.all_ids, request.blocks, request.num_computed)
             request.output_ids.append(token)
             request.output_logprobs.append(logprob)
+            if not request.weight_versions or request.weight_versions[-1] != self.weights.version:
+                request.weight_versions.append(self.weights.version)  # partial rollouts span updates
             self._counters["generated_tokens"] += 1
             reason = stop_reason(request, token, self.tokenizer)
             if reason is not None:

@@ -57,6 +57,7 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     output_token_logprobs: list[float] | None = None
     routed_experts_TLk: torch.Tensor | None = None
     e2e_latency_s: float = 0.0
+    weight_versions: list[int] = []  # every weight version its tokens were sampled under, in order
 
 
 class Phase(enum.Enum):
@@ -86,6 +87,7 @@ class Request:
     prefilling: bool = False  # admitted, no token sampled since
     cache_epoch: int = 0  # the engine's epoch when this request's KV started; stale after a weight update
     num_retractions: int = 0
+    weight_versions: list[int] = field(default_factory=list)  # every version a token was sampled under, in order
     phase: Phase = Phase.WAITING
     finish_reason: dict[str, Any] | None = None
     routed_experts_TLk: torch.Tensor | None = None

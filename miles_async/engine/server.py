@@ -160,6 +160,7 @@ def format_output(out: GenerateOutput, engine: Engine, text_in_logprobs: bool) -
         "completion_tokens": out.completion_tokens,
         "cached_tokens": out.cached_tokens,
         "weight_version": out.weight_version,
+        "weight_versions": out.weight_versions,  # ours: the versions a partial rollout spanned
         "e2e_latency": round(out.e2e_latency_s, 6),
     }
     if out.output_token_logprobs is not None:

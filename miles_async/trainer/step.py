@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from miles_async.models import load_pretrained
 from miles_async.rl import METRIC_SUM_NAMES, RLMetrics
 from miles_async.trainer import checkpoint
-from miles_async.trainer.config import TrainerConfig
+from miles_async.trainer.config import OBJECTIVES, TrainerConfig
 from miles_async.trainer.fsdp import full_tensor, shard_model
 from miles_async.trainer.loss import LOSS_SUM_NAMES, attach_logprobs, micro_batch_loss, step_denominator
 from miles_async.trainer.packing import (
@@ -102,19 +102,31 @@ class Trainer:
         self.weight_version = 0
         self.data_cursor = 0
 
-    def train_step(self, samples: list[TrainSample], data_cursor: int | None = None) -> StepMetrics:
-        """One optimizer step on the global batch `samples`; every rank must call it with the same."""
-        self._check_batch(samples)
-        if self.config.advantage is not None:
-            samples = with_group_advantages(samples, self.config.advantage)
+    def train_step(self, samples: list[TrainSample], data_cursor: int | None = None,
+                   objective: str | None = None, lr: float | None = None) -> StepMetrics:
+        """One optimizer step on the global batch `samples`; every rank must call it with the same.
+
+        `objective` and `lr` override the config's for this step (an SFT warm start before RL
+        runs "sft" at its own learning rate); the optimizer's state is shared by both.
+        """
+        config = self.config
+        for group in self.optimizer.param_groups:
+            group["lr"] = config.lr if lr is None else lr
+        if objective is not None and objective != config.objective:
+            if objective not in OBJECTIVES:
+                raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+            config = msgspec.structs.replace(config, objective=objective)
+        self._check_batch(samples, config)
+        if config.advantage is not None and config.objective == "rl":
+            samples = with_group_advantages(samples, config.advantage)
         start = time.perf_counter()
         trained_per_sample = [num_trained_tokens(s) for s in samples]
-        denominator = step_denominator(self.config, trained_per_sample)
+        denominator = step_denominator(config, trained_per_sample)
         micro_batches = plan_micro_batches(samples, self.rank, self.world_size, self.config.micro_batch_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         sums_K = torch.zeros(len(LOSS_SUM_NAMES), dtype=torch.float64)
         for group in micro_batches:
-            out = micro_batch_loss(self.model, pack(group, self.moe_shape), self.config, denominator, self.device)
+            out = micro_batch_loss(self.model, pack(group, self.moe_shape), config, denominator, self.device)
             # FSDP averages gradients over ranks; the loss is already a mean over the global
             # batch, so undo the average (x world size; a power of two is exact in floats).
             (out.loss * self.world_size).backward()
@@ -148,12 +160,12 @@ class Trainer:
             dual_clip_fraction=rl.dual_clip_fraction, tis_truncated_fraction=rl.tis_truncated_fraction,
             entropy=rl.entropy, pg_loss=pg_loss, kl=kl)
 
-    def _check_batch(self, samples: list[TrainSample]) -> None:
+    def _check_batch(self, samples: list[TrainSample], config: TrainerConfig) -> None:
         if not samples:
             raise ValueError("train_step needs at least one sample")
         for sample in samples:
             sample.check()
-        needs_ref = self.config.objective == "rl" and self.config.policy_loss.kl_coef > 0
+        needs_ref = config.objective == "rl" and config.policy_loss.kl_coef > 0
         if needs_ref and not all(s.ref_logprobs for s in samples):
             raise ValueError("policy_loss.kl_coef > 0 but some samples carry no ref_logprobs; compute the reference "
                              "log-probs for every sample or set kl_coef=0")

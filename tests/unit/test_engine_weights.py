@@ -287,3 +287,21 @@ def test_a_copy_never_writes_into_tensors_an_earlier_handoff_took(dirs):
     store.write(new_weights(dirs[1]))
     store.commit()
     assert checksums(first) == kept
+
+
+def test_a_request_spanning_an_update_reports_every_version_it_was_sampled_under(dirs):
+    engine = engine_for(dirs[0])
+    other = new_weights(dirs[1])
+    long = SamplingParams(max_new_tokens=40, temperature=1.0, ignore_eos=True)
+
+    async def scenario():
+        async with engine:
+            state = engine.submit(GenerateRequest(input_ids=PROMPT, sampling_params=long))
+            while len(state.output_ids) < 3:
+                await asyncio.sleep(0.001)
+            await engine.update_weights_from_tensors(other, 1)
+            await state.done.wait()
+            return engine.snapshot(state)
+
+    out = run(scenario())
+    assert out.weight_versions == [0, 1] and len(out.output_ids) == 40
