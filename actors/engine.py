@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 from typing import Any, ClassVar
 
 import msgspec
@@ -58,6 +59,7 @@ class EngineState(msgspec.Struct, frozen=True, kw_only=True):
     num_bytes: int  # of the weights
     target_segment: str | None = None  # shm: where a pusher writes the update in progress
     url: str | None = None  # the HTTP API, when served
+    pid: int = 0  # the engine's process
 
 
 class GenerateReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -166,13 +168,14 @@ class EngineActor(Actor):
     engine: Engine
 
     def __init__(self, model_dir: str, config: EngineConfig | None = None, *, dtype: str = "float32",
-                 http_host: str = "127.0.0.1", http_port: int | None = None) -> None:
+                 http_host: str = "127.0.0.1", http_port: int | None = None, num_threads: int = 0) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         self.model_dir = model_dir
         self.config = config or EngineConfig()
         self.dtype = dtype
         self.http = (http_host, http_port)
+        self.num_threads = num_threads  # torch threads of the compute thread; 0 leaves torch's default
         self.server: EngineServer | None = None
         self.group: WeightGroup | None = None
         self.group_id = ""
@@ -180,6 +183,8 @@ class EngineActor(Actor):
         self._rdma: Any = None  # transport.rdma.RdmaEngineSide of the update in progress
 
     async def on_start(self) -> None:
+        if self.num_threads:
+            await compute.run(torch.set_num_threads, self.num_threads)
         self.engine = await compute.run(Engine.from_pretrained, self.model_dir, config=self.config,
                                         dtype=DTYPES[self.dtype])
         await self.engine.start()
@@ -213,7 +218,7 @@ class EngineActor(Actor):
             name=self.name, version=w.version, label=w.label, paused=self.engine.stats().paused,
             weights_error=w.serving_error(), updating=w.updating, dtype=self.dtype, num_bytes=w.nbytes,
             target_segment=w.target_segment if w.updating is not None else None,
-            url=self.server.url if self.server is not None else None)
+            url=self.server.url if self.server is not None else None, pid=os.getpid())
 
     # ----- generation -----
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import logging
 import shutil
 import time
 import uuid
@@ -63,7 +64,7 @@ from miles_async.actors.engine import (
 from miles_async.actors.trainer import WeightManifest
 from miles_async.engine.core import PAUSE_MODES
 from miles_async.engine.weights import StaleVersionError
-from miles_async.runtime import Actor, ActorRef, Message, handler
+from miles_async.runtime import Actor, ActorDeadError, ActorRef, Failure, Message, handler
 from miles_async.transport import colocated
 from miles_async.transport.broadcast import layout_of, layout_to_json, send_buckets
 from miles_async.transport.buckets import CONVERTERS, convert, split_buckets
@@ -72,6 +73,7 @@ from miles_async.transport.groups import BACKENDS, WeightGroup
 from miles_async.transport.verify import checksums, compare
 
 T = TypeVar("T")
+log = logging.getLogger("miles_async.actors.weights")
 TRANSPORTS = ("colocated", "broadcast", "shm", "disk_delta", "rdma")
 VERIFY = ("never", "first", "always")
 Source = Callable[[], Mapping[str, torch.Tensor]]
@@ -129,6 +131,11 @@ class PushWeights(Message):
     Reply: ClassVar[Any] = PushReport
 
 
+class ForgetEngine(Message):
+    name: str
+    Reply: ClassVar[Any] = None
+
+
 class WeightPusher(Actor):
     """Pushes versions to the engines named `engines` (module docstring)."""
 
@@ -165,7 +172,31 @@ class WeightPusher(Actor):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     async def _ask_all(self, msg: Message) -> list[Any]:
-        return list(await asyncio.gather(*(ref.ask(msg, timeout_s=self.config.timeout_s) for ref in self.refs)))
+        """Every engine's reply, in `self.refs` order. An engine found dead is forgotten (the push goes
+        on with the others; the refill scheduler hears of it from the controller); any other failure raises."""
+        results = await asyncio.gather(*(ref.ask(msg, timeout_s=self.config.timeout_s) for ref in self.refs),
+                                       return_exceptions=True)
+        dead = [ref.name for ref, r in zip(self.refs, results) if isinstance(r, ActorDeadError)]
+        for error in results:
+            if isinstance(error, BaseException) and not isinstance(error, ActorDeadError):
+                raise error
+        if dead:
+            log.warning("engines %s are dead: pushing to the others", ", ".join(dead))
+            alive = [i for i, ref in enumerate(self.refs) if ref.name not in dead]
+            self.engine_names = [self.engine_names[i] for i in alive]
+            self.refs = [self.refs[i] for i in alive]
+            results = [results[i] for i in alive]
+            if not self.refs:
+                raise ActorDeadError(dead[0], Failure(type="NoEngineLeft", message="every engine is dead"))
+        return list(results)
+
+    @handler
+    async def forget_engine(self, msg: ForgetEngine) -> None:
+        """Stop pushing to an engine that died (the controller saw it go)."""
+        keep = [i for i, name in enumerate(self.engine_names) if name != msg.name]
+        self.engine_names = [self.engine_names[i] for i in keep]
+        self.refs = [self.refs[i] for i in keep]
+        await self._close_group()  # a broadcast group with a dead member cannot be used again
 
     # ----- one push -----
 
@@ -345,7 +376,11 @@ def _write_segments(segments: list[str | None], buckets: list[list[tuple[str, to
         if name is None:
             raise ValueError("an engine has no shared segment: start it with EngineConfig(shared_weights=True) "
                              "to use the shm transport")
-        handle = SharedWeights.attach(name)
+        try:
+            handle = SharedWeights.attach(name)
+        except TransportError as e:  # its engine died and took the segment along: the commit will tell
+            log.warning("%s", e)
+            continue
         try:
             handle.write(item for bucket in buckets for item in bucket)
         finally:

@@ -81,6 +81,47 @@ def _serve_engine(args: argparse.Namespace, extra: list[str]) -> int:
                         max_running_requests=args.max_running_requests)
 
 
+def _run(args: argparse.Namespace, extra: list[str]) -> int:
+    """`miles-async run RECIPE`: the whole loop on this node (actors/controller.py)."""
+    import logging
+    import time
+    from pathlib import Path
+
+    import msgspec
+
+    from miles_async.actors.controller import run as run_loop
+    from miles_async.actors.recipe import load_recipe
+    from miles_async.runtime import run as run_async
+
+    if args.resume and not args.out:
+        print(f"{PROG} run: --resume needs --out DIR (the run to continue)", file=sys.stderr)
+        return 2
+    try:
+        config = load_recipe(args.recipe, args.overrides)
+    except ValueError as e:
+        print(f"{PROG} run: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out or Path("runs") / f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if not args.resume and (out / "metrics.jsonl").exists():
+        print(f"{PROG} run: {out} already holds a run; continue it with --resume, or choose another --out",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    print(f"{PROG} run: {args.recipe} -> {out}", file=sys.stderr)
+    result = run_async(run_loop(config, out, resume=args.resume, progress=not args.quiet))
+    summary = msgspec.json.encode(result).decode()
+    (out / "summary.json").write_text(summary)
+    print(summary)
+    return 130 if result.interrupted else 0
+
+
+def _plot(args: argparse.Namespace, extra: list[str]) -> int:
+    from miles_async.observe.plot import main as plot_main
+
+    return plot_main(args.run_dir)
+
+
 def _add_verb(subparsers, name: str, help_text: str, handler: Handler, **kwargs) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(name, help=help_text, description=help_text, **kwargs)
     parser.set_defaults(handler=handler)
@@ -96,11 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
 
-    run = _add_verb(
-        verbs, "run", "run the whole loop on this node", functools.partial(_not_implemented, "run")
-    )
+    run = _add_verb(verbs, "run", "run the whole loop on this node", _run)
     run.add_argument("recipe", metavar="RECIPE.toml", help="the recipe")
     run.add_argument("--out", metavar="DIR", help="run directory (default: a new folder under runs/)")
+    run.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    run.add_argument("--quiet", action="store_true", help="no live progress display, warnings only")
     run.add_argument(
         "overrides",
         nargs="*",
@@ -186,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     init_model.add_argument("--out", required=True, metavar="DIR", help="folder to write")
     init_model.add_argument("--seed", type=int, default=0, help="weight seed (default: %(default)s)")
 
-    plot = _add_verb(verbs, "plot", "write PNG plots of a run", functools.partial(_not_implemented, "plot"))
+    plot = _add_verb(verbs, "plot", "write PNG plots of a run (RUN_DIR/plots/*.png)", _plot)
     plot.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
     return parser
 

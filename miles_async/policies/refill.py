@@ -135,6 +135,11 @@ class RefillPolicy:
         return min(self._engine_version.values(), default=None)
 
     @property
+    def next_prompt_id(self) -> int:
+        """The next new dataset position admission will hand out."""
+        return self._next_prompt_id
+
+    @property
     def exhausted(self) -> bool:
         """The dataset is used up and nothing is pending or waiting for a retry."""
         out_of_prompts = self.config.max_prompts is not None and self._next_prompt_id >= self.config.max_prompts

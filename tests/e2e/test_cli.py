@@ -53,12 +53,9 @@ def test_help_of_each_verb(verb: str) -> None:
 @pytest.mark.parametrize(
     ("label", "command_line"),
     [
-        ("run", "run recipe.toml --out runs/x trainer.lr=1e-6"),
         ("launch", "launch --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 recipe.toml"),
         ("serve session", "serve session --engine http://127.0.0.1:30000"),
         ("sim", "sim trace.jsonl --json"),
-        ("bench loop", "bench loop --json"),
-        ("plot", "plot runs/x"),
     ],
 )
 def test_unwritten_verbs_say_so(label: str, command_line: str) -> None:
@@ -66,6 +63,18 @@ def test_unwritten_verbs_say_so(label: str, command_line: str) -> None:
     assert result.returncode == 2
     assert result.stderr.strip() == f"miles-async {label}{NOT_IMPLEMENTED}"
     assert result.stdout == ""
+
+
+@pytest.mark.parametrize(("command_line", "message"), [
+    ("run nowhere.toml --out runs/x", "miles-async run: recipe nowhere.toml does not exist"),
+    ("run nowhere.toml loop.num_stepz=3", "does not exist"),
+    ("run nowhere.toml --resume", "--resume needs --out DIR"),
+    ("plot no/such/run", "miles-async plot:"),
+])
+def test_run_and_plot_refuse_bad_input_clearly(command_line: str, message: str) -> None:
+    result = miles_async(*command_line.split())
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
 
 
 def test_unknown_argument_is_an_error() -> None:

@@ -1,0 +1,539 @@
+"""The controller: the one place that wires rollout -> buffer -> trainer -> weights, and owns the loop.
+
+    dataset ──► RefillScheduler ──Rollout──► RolloutWorker(s) ──HTTP──► EngineActor(s)  [own processes]
+                   ▲   │ n samples of a prompt                              ▲
+                   │   ▼                                                    │ weights (shm | broadcast | ...)
+                   │  Buffer ──GetBatch──► controller ──TrainStep──► TrainerRank × N  [own processes]
+                   │                          │  ExportWeights ──► WeightPusher ──┘
+                   └── TrainerStepped, WeightVersionChanged ◄┘
+
+Who consumes, produces and waits for what:
+- `RefillScheduler` consumes the dataset and the events on its left; produces rollout requests;
+  waits for free slots and for admission (`policies.staleness`: at most `max_staleness` versions ahead).
+- `RolloutWorker`s consume requests; produce scored samples; wait for their engine.
+- `Buffer` consumes complete groups; produces batches; a full buffer keeps the scheduler's put
+  waiting, and an empty one keeps the controller's `GetBatch` waiting.
+- The controller (this file), per step: waits for a batch (`wait_data_s`), trains it on every
+  rank (`train_s`), exports the new weights and has the pusher move them into the engines
+  (`update_s`), then tells the scheduler (the trained prompts leave the admission count; engines
+  hold a new version). Generation runs on meanwhile: that overlap is the fully asynchronous mode.
+  `loop.mode = "sync"` (max_staleness 0) makes the same loop lockstep; "one_step_off" is 1.
+- Before RL, an SFT warm start (`[sft]`) trains on the task's answers until sampled accuracy on a
+  held-out probe set reaches `sft.target_accuracy` (a start of 0.1-0.3 is where GRPO learns best).
+- Evaluation (`[eval]`): "shared" holds new rollouts while the engines answer the eval prompts;
+  "dedicated" pushes the weights to an engine of its own, so rollouts go on; "command" runs an
+  external command on a checkpoint folder (config, tokenizer and `model.safetensors`).
+
+Outputs in the run folder: metrics.jsonl (one row per step), trace.jsonl (every sample, step,
+update and eval: the simulator's input), checkpoints/, config.json (the resolved recipe).
+Ctrl-C (or SIGTERM) stops after the current step, saves a checkpoint, and stops every actor and
+child process; `resume=True` continues from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shlex
+import shutil
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from miles_async.actors.buffer import Batch, Buffer, BufferStats, GetBatch
+from miles_async.actors.engine import EngineActor, EngineStatus
+from miles_async.actors.recipe import RunConfig, dump_recipe
+from miles_async.actors.rollout import RewardInput, RolloutWorker, SampleOut, load_reward
+from miles_async.actors.scheduler import (
+    AddEngine,
+    GetSchedulerState,
+    RefillScheduler,
+    TrainerStepped,
+    WeightVersionChanged,
+)
+from miles_async.actors.trainer import ExportWeights, LoadCheckpoint, SaveCheckpoint, TrainerGroup, TrainStep
+from miles_async.actors.weights import PushWeights, WeightPusher, WeightSyncConfig
+from miles_async.engine.client import EngineClient
+from miles_async.models import init_model, load_tokenizer
+from miles_async.observe import EvalTrace, MetricsLog, Progress, SampleTrace, StepTrace, TraceLog, UpdateTrace
+from miles_async.policies.refill import RefillConfig
+from miles_async.runtime import ActorRef, ActorSystem, RuntimeConfig
+from miles_async.tasks.reverse import Prompt, is_correct, prompts, sft_examples
+from miles_async.trainer import checkpoint
+from miles_async.trainer.config import TrainerConfig
+from miles_async.trainer.packing import TrainSample
+
+log = logging.getLogger("miles_async.actors.controller")
+ASK_S = 600.0
+
+
+class RunResult(msgspec.Struct, frozen=True, kw_only=True):
+    run_dir: str
+    num_steps: int
+    sft_steps: int
+    sft_probe_accuracy: float | None
+    reward_first: float | None  # mean reward of the first 5 RL steps
+    reward_last: float | None  # of the last 5
+    eval_scores: list[tuple[int, float]]
+    samples_per_s: float  # trained samples over the RL phase's wall time
+    trainer_idle_fraction: float
+    wall_s: float
+    interrupted: bool
+    resumed_from: str | None = None  # the checkpoint this run continued from
+
+
+def to_train_sample(sample: SampleOut, group: int) -> TrainSample:
+    tokens = sample.prompt_ids + sample.output_ids
+    return TrainSample(tokens=tokens, loss_mask=[0] * len(sample.prompt_ids) + [1] * len(sample.output_ids),
+                       rollout_logprobs=[0.0] * len(sample.prompt_ids) + sample.output_logprobs,
+                       reward=sample.reward, weight_version=min(sample.versions), group=group)
+
+
+def _payload(record: Any) -> SampleOut:
+    payload = record.payload
+    return payload if isinstance(payload, SampleOut) else msgspec.convert(payload, SampleOut)
+
+
+class Controller:
+    """One run (module docstring): `await Controller(config, run_dir).run()`."""
+
+    def __init__(self, config: RunConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
+                 runtime: RuntimeConfig | None = None) -> None:
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.resume = resume
+        self.show_progress = progress
+        self.runtime = runtime or RuntimeConfig(ask_timeout_s=ASK_S, spawn_timeout_s=120.0)
+        self.stop = asyncio.Event()
+        self.start_time = time.time()
+        self.system: ActorSystem | None = None
+        self.engines: list[ActorRef] = []
+        self.engine_urls: dict[str, str] = {}
+        self.eval_engine: ActorRef | None = None
+        self.trainer: TrainerGroup | None = None
+        self.pusher: ActorRef | None = None
+        self.eval_pusher: ActorRef | None = None
+        self.scheduler: ActorRef | None = None
+        self.buffer: ActorRef | None = None
+        self.version = 0
+        self.step = 0
+        self.eval_scores: list[tuple[int, float]] = []
+        self.resumed_from: str | None = None
+        self.rollout_rewards: list[float] = []  # of every sample finished since the last step
+
+    # ----- setup -----
+
+    def _prepare(self) -> None:
+        cfg = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(dump_recipe(cfg), indent=2))
+        if cfg.model.path:
+            self.model_dir = Path(cfg.model.path)
+        else:
+            self.model_dir = self.run_dir / "model"
+            if not (self.model_dir / "config.json").is_file():
+                init_model(cfg.model.family, cfg.model.preset, self.model_dir, seed=cfg.model.seed)
+        self.family = json.loads((self.model_dir / "config.json").read_text()).get("model_type", cfg.model.family)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        task = cfg.task.reverse
+        self.dataset = prompts(task, cfg.task.num_prompts, self.tokenizer, split="train")
+        num_probe = max(cfg.sft.num_probe, cfg.eval.num_prompts)
+        self.probe = prompts(task, num_probe, self.tokenizer, split="probe")
+        self.reward_fn = load_reward(cfg.task.reward)
+        self.metrics = MetricsLog(self.run_dir)
+        self.trace = TraceLog(self.run_dir)
+
+    def _now(self) -> float:
+        return time.time() - self.start_time
+
+    def _trainer_config(self) -> TrainerConfig:
+        t, s = self.config.trainer, self.config.rollout.sampling
+        return TrainerConfig(
+            model_dir=str(self.model_dir), world_size=t.world_size, lr=t.lr, grad_clip=t.grad_clip,
+            micro_batch_tokens=t.micro_batch_tokens, num_threads=t.num_threads, seed=self.config.loop.seed,
+            checkpoint_dir=str(self.run_dir / "checkpoints"), weights_dir=str(self.run_dir / "weights"),
+            policy_loss=t.policy_loss, advantage=t.advantage, old_logprobs=t.old_logprobs,
+            temperature=s.temperature if s.temperature > 0 else 1.0)
+
+    async def _spawn(self, system: ActorSystem) -> None:
+        cfg = self.config
+        r, w = cfg.rollout, cfg.weights
+        engine_cfg = msgspec.structs.replace(r.engine, shared_weights=w.transport == "shm",
+                                             double_buffer=w.double_buffer)
+        names = [f"engine-{i}" for i in range(r.num_engines)]
+        if cfg.eval.mode == "dedicated":
+            names.append("eval-engine")
+        spawns = [system.spawn(EngineActor, name, process=True, args=(str(self.model_dir), engine_cfg),
+                               kwargs={"http_port": 0, "num_threads": r.engine_threads}) for name in names]
+        trainer_spawn = TrainerGroup.spawn(system, self._trainer_config(), cfg.trainer.world_size)
+        *engines, self.trainer = await asyncio.gather(*spawns, trainer_spawn)
+        if cfg.eval.mode == "dedicated":
+            self.eval_engine = engines.pop()
+        self.engines = engines
+        for ref in engines + ([self.eval_engine] if self.eval_engine else []):
+            state = await ref.ask(EngineStatus(), timeout_s=ASK_S)
+            self.engine_urls[ref.name] = state.url
+        sync = WeightSyncConfig(family=self.family, transport=w.transport, bucket_mib=w.bucket_mib, verify=w.verify,
+                                pause_mode="in_place" if r.partial == "continue" else "abort",
+                                delta_dir=str(self.run_dir / "deltas"))
+        self.pusher = await system.spawn(WeightPusher, "pusher", args=([e.name for e in engines], sync))
+        if self.eval_engine is not None:
+            self.eval_pusher = await system.spawn(WeightPusher, "eval-pusher", args=(["eval-engine"], sync))
+
+    async def _spawn_rollout(self, system: ActorSystem, first_prompt: int) -> None:
+        cfg = self.config
+        r, loop = cfg.rollout, cfg.loop
+        workers = [f"rollout-{i}" for i in range(r.num_workers)]
+        for name in workers:
+            await system.spawn(RolloutWorker, name, args=(cfg.task.reward,))
+        buffer_cfg = msgspec.structs.replace(cfg.buffer, max_staleness=loop.staleness)
+        refill = RefillConfig(target_in_flight=r.target_in_flight, group_size=r.group_size,
+                              batch_groups=loop.batch_groups, max_staleness=loop.staleness,
+                              max_in_flight_per_engine=r.max_in_flight_per_engine)
+        self.scheduler = await system.spawn(
+            RefillScheduler, "scheduler", args=(refill, self.dataset, r.sampling),
+            kwargs={"workers": workers, "buffer": "buffer", "seed": loop.seed, "trainer_version": self.version,
+                    "first_prompt": first_prompt, "on_sample": self._trace_sample})
+        self.buffer = await system.spawn(Buffer, "buffer", args=(buffer_cfg, "scheduler"))
+        for ref in self.engines:
+            await self.scheduler.tell(AddEngine(name=ref.name, url=self.engine_urls[ref.name], version=self.version))
+
+    def _trace_sample(self, sample: SampleOut, counted: bool) -> None:
+        if counted and not sample.aborted:
+            self.rollout_rewards.append(sample.reward)
+        self.trace.write(SampleTrace(
+            prompt_id=sample.prompt_index, index=sample.index, attempt=sample.attempt, engine=sample.engine,
+            submit_s=sample.submit_s - self.start_time, end_s=sample.end_s - self.start_time,
+            prompt_tokens=len(sample.prompt_ids), output_tokens=len(sample.output_ids), versions=sample.versions,
+            reward=sample.reward, finish_reason=sample.finish_reason, dropped="" if counted else "engine_lost"))
+
+    # ----- weights -----
+
+    async def _push(self, pusher: ActorRef | None = None) -> float:
+        """Export the trainer's weights and push them; return the seconds it took."""
+        assert self.trainer is not None
+        start = self._now()
+        manifest = await self.trainer.ask(ExportWeights(), ASK_S)
+        report = await (pusher or self.pusher).ask(PushWeights(version=manifest.weight_version, manifest=manifest),
+                                                   timeout_s=ASK_S)
+        end = self._now()
+        self.trace.write(UpdateTrace(version=report.version, start_s=start, end_s=end, transport=report.transport,
+                                     num_bytes=report.num_bytes, paused_s=report.seconds))
+        return end - start
+
+    # ----- SFT warm start -----
+
+    async def _sft(self) -> tuple[int, float | None]:
+        cfg = self.config.sft
+        if cfg.max_steps <= 0:
+            return 0, None
+        assert self.trainer is not None
+        examples = sft_examples(self.dataset, self.tokenizer)
+        probe = self.probe[:cfg.num_probe]
+        accuracy = None
+        step = 0
+        with Progress(cfg.max_steps, enabled=self.show_progress) as progress:
+            for step in range(1, cfg.max_steps + 1):
+                start = (step - 1) * cfg.batch_size
+                batch = [examples[(start + i) % len(examples)] for i in range(cfg.batch_size)]
+                samples = [TrainSample(tokens=e.tokens, loss_mask=e.loss_mask, rollout_logprobs=[0.0] * len(e.tokens))
+                           for e in batch]
+                metrics = await self.trainer.ask(TrainStep(samples=samples, objective="sft", lr=cfg.lr), ASK_S)
+                self.version = metrics.weight_version
+                if step % cfg.probe_every == 0 or step == cfg.max_steps:
+                    await self._push()
+                    accuracy = await self._score(probe, temperature=1.0, exact=True)
+                    progress.update({"step": step, "reward_mean": accuracy, "wall_s": self._now()})
+                    log.info("SFT step %d: loss %.3f, sampled probe accuracy %.3f", step, metrics.loss, accuracy)
+                    if accuracy >= cfg.target_accuracy or self.stop.is_set():
+                        break
+        return step, accuracy
+
+    async def _score(self, items: list[Prompt], *, temperature: float, exact: bool = False,
+                     url: str | None = None) -> float:
+        """Mean reward (or exact-match accuracy) of one sample per prompt on the engines."""
+        urls = [url] if url else [self.engine_urls[e.name] for e in self.engines]
+        params = {"max_new_tokens": self.config.rollout.sampling.max_new_tokens, "temperature": temperature}
+        scores: list[float] = []
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(EngineClient(u, timeout_s=ASK_S)) for u in urls]
+            chunks = [items[i::len(clients)] for i in range(len(clients))]
+            outs = await asyncio.gather(*(c.generate(input_ids=[p.input_ids for p in chunk], sampling_params=params)
+                                          for c, chunk in zip(clients, chunks) if chunk))
+            for chunk, out in zip([c for c in chunks if c], outs):
+                for prompt, o in zip(chunk, out):
+                    if exact:
+                        scores.append(float(is_correct(o["text"], prompt.answer)))
+                    else:
+                        finish = (o["meta_info"].get("finish_reason") or {}).get("type", "")
+                        scores.append(float(await self.reward_fn(RewardInput(
+                            prompt=prompt, output_text=o["text"], output_ids=o["output_ids"], finish_reason=finish))))
+        return statistics.fmean(scores) if scores else 0.0
+
+    # ----- evaluation -----
+
+    async def _evaluate(self) -> float:
+        cfg = self.config.eval
+        items = self.probe[:cfg.num_prompts]
+        if cfg.mode == "shared":
+            from miles_async.actors.scheduler import HoldRollouts
+
+            assert self.scheduler is not None
+            await self.scheduler.ask(HoldRollouts(hold=True), timeout_s=ASK_S)
+            try:
+                score = await self._score(items, temperature=cfg.temperature)
+            finally:
+                await self.scheduler.ask(HoldRollouts(hold=False), timeout_s=ASK_S)
+        elif cfg.mode == "dedicated":
+            await self._push(self.eval_pusher)
+            score = await self._score(items, temperature=cfg.temperature, url=self.engine_urls["eval-engine"])
+        else:
+            score = await self._run_eval_command()
+        self.trace.write(EvalTrace(step=self.step, score=score, num_samples=len(items), mode=cfg.mode))
+        self.eval_scores.append((self.step, score))
+        return score
+
+    async def _run_eval_command(self) -> float:
+        """Write a loadable checkpoint folder, run the command on it, read {"score": x} from its last line."""
+        assert self.trainer is not None
+        folder = self.run_dir / "eval" / f"step_{self.step:06d}"
+        manifest = await self.trainer.ask(ExportWeights(folder=str(folder / "buckets")), ASK_S)
+        await asyncio.to_thread(_as_hf_folder, self.model_dir, manifest, folder)
+        command = self.config.eval.command.replace("{checkpoint}", shlex.quote(str(folder)))
+        proc = await asyncio.create_subprocess_shell(command, stdout=asyncio.subprocess.PIPE,
+                                                     stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), ASK_S)
+        lines = out.decode().strip().splitlines()
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"eval command {command!r} failed (exit {proc.returncode}): {err.decode()[-2000:]}")
+        try:
+            return float(json.loads(lines[-1])["score"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise RuntimeError(f"eval command {command!r}: its last stdout line must be {{\"score\": x}}, "
+                               f"got {lines[-1]!r}") from e
+
+    # ----- the RL loop -----
+
+    async def _rl(self, first_step: int) -> tuple[list[float], float, float]:
+        cfg = self.config
+        assert self.trainer is not None and self.buffer is not None and self.scheduler is not None
+        rewards: list[float] = []
+        rl_start = time.perf_counter()
+        trained = 0
+        idle_total = 0.0
+        last_end = time.perf_counter()
+        busy_before: dict[str, float] = {}
+        with Progress(cfg.loop.num_steps, enabled=self.show_progress) as progress:
+            for step in range(first_step + 1, cfg.loop.num_steps + 1):
+                if self.stop.is_set():
+                    break
+                self.step = step
+                step_start = self._now()
+                batch = await self._next_batch()
+                if batch is None:
+                    break
+                samples, prompt_ids = [], []
+                for group in batch.groups:
+                    prompt_ids.append(group.prompt_id)
+                    samples.extend(to_train_sample(_payload(r), group.prompt_id) for r in group.samples)
+                t0 = time.perf_counter()
+                metrics = await self.trainer.ask(TrainStep(samples=samples, data_cursor=-1), ASK_S)
+                train_s = time.perf_counter() - t0
+                update_s = 0.0
+                if metrics.weight_version != self.version:
+                    self.version = metrics.weight_version
+                    await self.scheduler.tell(TrainerStepped(version=self.version, prompt_ids=prompt_ids))
+                    update_s = await self._push()
+                    for ref in self.engines:
+                        await self.scheduler.tell(WeightVersionChanged(engine=ref.name, version=self.version))
+                else:
+                    await self.scheduler.tell(TrainerStepped(version=self.version, prompt_ids=prompt_ids))
+                eval_score = None
+                if cfg.eval.mode != "none" and cfg.eval.every > 0 and (step % cfg.eval.every == 0
+                                                                       or step == cfg.loop.num_steps):
+                    eval_score = await self._evaluate()
+                end = time.perf_counter()
+                step_s = end - last_end
+                last_end = end
+                trained += len(samples)
+                idle = max(step_s - train_s, 0.0)
+                idle_total += idle
+                state = await self.scheduler.ask(GetSchedulerState(), timeout_s=ASK_S)
+                busy = sum(state.engine_busy_s.values()) - sum(busy_before.values())
+                busy_before = dict(state.engine_busy_s)
+                buffer_stats = await self.buffer.ask(BufferStats(), timeout_s=ASK_S)
+                # The policy's reward: every sample finished since the last step, kept or filtered
+                # (the batch's own mean leans on groups the filter kept, those with mixed rewards).
+                reward = statistics.fmean(self.rollout_rewards) if self.rollout_rewards else 0.0
+                self.rollout_rewards = []
+                rewards.append(reward)
+                row = {
+                    "step": step, "wall_s": self._now(), "weight_version": self.version, "reward_mean": reward,
+                    "batch_reward_mean": statistics.fmean(s.reward for s in samples),
+                    "logprob_abs_diff": metrics.logprob_abs_diff, "staleness_mean": batch.metrics.drawn_staleness_mean,
+                    "staleness_max": batch.metrics.drawn_staleness_max, "num_samples": len(samples),
+                    "num_tokens": metrics.num_tokens, "samples_per_s": len(samples) / max(step_s, 1e-9),
+                    "step_s": step_s, "wait_data_s": batch.waited_s, "train_s": train_s, "update_s": update_s,
+                    "trainer_idle_fraction": idle / max(step_s, 1e-9),
+                    "engine_busy_fraction": min(busy / max(step_s * len(self.engines), 1e-9), 1.0),
+                    "buffer_occupancy": buffer_stats["num_groups"] / self.config.buffer.capacity_groups,
+                    "dropped_stale": buffer_stats["dropped"].get("stale", 0),
+                    "dropped_aborted": buffer_stats["dropped"].get("aborted", 0),
+                    "dropped_filtered": buffer_stats["dropped"].get("filtered", 0),
+                    "loss": metrics.loss, "grad_norm": metrics.grad_norm, "entropy": metrics.entropy}
+                if eval_score is not None:
+                    row["eval_score"] = eval_score
+                self.metrics.log(row)
+                self.trace.write(StepTrace(
+                    step=step, weight_version=self.version, start_s=step_start, end_s=self._now(),
+                    wait_data_s=batch.waited_s, train_s=train_s, update_s=update_s, num_samples=len(samples),
+                    num_tokens=metrics.num_tokens, staleness_mean=batch.metrics.drawn_staleness_mean,
+                    staleness_max=batch.metrics.drawn_staleness_max, prompt_ids=prompt_ids))
+                progress.update(row)
+                if cfg.loop.checkpoint_every and step % cfg.loop.checkpoint_every == 0:
+                    await self._checkpoint()
+        wall = time.perf_counter() - rl_start
+        return rewards, trained / max(wall, 1e-9), idle_total / max(wall, 1e-9)
+
+    async def _next_batch(self) -> Batch | None:
+        """The next batch, or None when the run is asked to stop while waiting."""
+        assert self.buffer is not None
+        get = asyncio.ensure_future(self.buffer.ask(GetBatch(batch_groups=self.config.loop.batch_groups,
+                                                             trainer_version=self.version, timeout_s=ASK_S),
+                                                    timeout_s=ASK_S + 10))
+        stop = asyncio.ensure_future(self.stop.wait())
+        done, _ = await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            stop.cancel()
+            return get.result()
+        get.cancel()
+        return None
+
+    async def _checkpoint(self) -> None:
+        assert self.trainer is not None and self.scheduler is not None
+        state = await self.scheduler.ask(GetSchedulerState(), timeout_s=ASK_S)
+        # Where the dataset resumes: the lowest prompt not yet trained or discarded (prompts past
+        # it that were already trained are trained again after a resume: at most a few batches).
+        info = await self.trainer.ask(SaveCheckpoint(), ASK_S)
+        (Path(info.path) / "run_state.json").write_text(json.dumps({"next_prompt": state.next_prompt,
+                                                                     "rl_step": self.step}))
+
+    # ----- the whole run -----
+
+    async def run(self) -> RunResult:
+        self._prepare()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._on_signal)
+        interrupted = False
+        try:
+            async with ActorSystem("controller", config=self.runtime) as system:
+                self.system = system
+                await self._spawn(system)
+                first_step, first_prompt, sft_steps, sft_acc = await self._resume_or_warm_start()
+                await self._spawn_rollout(system, first_prompt)
+                monitor = asyncio.ensure_future(self._watch_engines())
+                try:
+                    rewards, samples_per_s, idle = await self._rl(first_step)
+                finally:
+                    monitor.cancel()
+                interrupted = self.stop.is_set()
+                await self._checkpoint()
+                await self._stop_all(system)
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.remove_signal_handler(sig)
+        head, tail = rewards[:5], rewards[-5:]
+        return RunResult(run_dir=str(self.run_dir), num_steps=self.step, sft_steps=sft_steps, sft_probe_accuracy=sft_acc,
+                         reward_first=statistics.fmean(head) if head else None,
+                         reward_last=statistics.fmean(tail) if tail else None, eval_scores=self.eval_scores,
+                         samples_per_s=samples_per_s, trainer_idle_fraction=idle, wall_s=self._now(),
+                         interrupted=interrupted, resumed_from=self.resumed_from)
+
+    async def _resume_or_warm_start(self) -> tuple[int, int, int, float | None]:
+        """(first RL step, first prompt position, SFT steps, SFT probe accuracy)."""
+        assert self.trainer is not None
+        latest = checkpoint.latest(self.run_dir / "checkpoints") if self.resume else None
+        if latest is not None:
+            info = await self.trainer.ask(LoadCheckpoint(path=str(latest)), ASK_S)
+            state = json.loads((latest / "run_state.json").read_text())
+            self.version = info.weight_version
+            self.resumed_from = str(latest)
+            await self._push()
+            log.info("resumed from %s: RL step %d, weight version %d", latest, state["rl_step"], self.version)
+            return state["rl_step"], state["next_prompt"], 0, None
+        if self.resume:
+            log.info("no checkpoint under %s: starting fresh", self.run_dir / "checkpoints")
+        sft_steps, accuracy = await self._sft()
+        if self.version == 0:
+            await self._push()  # the engines' weights are the trainer's (and verified once)
+        else:  # the warm-started model as a folder of its own: a start for other runs (model.path)
+            manifest = await self.trainer.ask(ExportWeights(folder=str(self.run_dir / "sft_model" / "buckets")), ASK_S)
+            await asyncio.to_thread(_as_hf_folder, self.model_dir, manifest, self.run_dir / "sft_model")
+        return 0, 0, sft_steps, accuracy
+
+    async def _watch_engines(self, interval_s: float = 0.5) -> None:
+        """Declare an engine that stops answering lost: the scheduler moves its samples, the pusher forgets it."""
+        from miles_async.actors.scheduler import EngineLost
+        from miles_async.actors.weights import ForgetEngine
+        from miles_async.runtime import ActorDeadError, AskTimeoutError
+
+        assert self.scheduler is not None and self.pusher is not None
+        while True:
+            await asyncio.sleep(interval_s)
+            for ref in list(self.engines):
+                try:
+                    await ref.ask(EngineStatus(), timeout_s=30.0)
+                except (ActorDeadError, AskTimeoutError) as e:
+                    log.error("engine %s is gone (%s); its samples go to the other engines", ref.name, e)
+                    self.engines.remove(ref)
+                    await self.scheduler.tell(EngineLost(name=ref.name))
+                    await self.pusher.ask(ForgetEngine(name=ref.name), timeout_s=ASK_S)
+                    if not self.engines:
+                        log.error("no engine left: stopping the run")
+                        self.stop.set()
+
+    async def _stop_all(self, system: ActorSystem) -> None:
+        for ref in (self.scheduler, self.buffer):
+            if ref is not None:
+                with contextlib.suppress(Exception):
+                    await system.stop(ref)
+        if self.trainer is not None:
+            await self.trainer.stop()
+
+    def _on_signal(self) -> None:
+        if self.stop.is_set():
+            log.warning("second interrupt: exiting now")
+            raise KeyboardInterrupt
+        print("\nmiles-async: stopping after this step (a checkpoint is saved); Ctrl-C again to quit now",
+              file=sys.stderr)
+        self.stop.set()
+
+
+def _as_hf_folder(model_dir: Path, manifest: Any, folder: Path) -> None:
+    """A checkpoint folder `load_pretrained` and transformers read: the model's config and tokenizer
+    files beside one `model.safetensors` merged from the exported buckets."""
+    from safetensors.torch import load_file, save_file
+
+    tensors: dict[str, Any] = {}
+    for bucket in manifest.buckets:
+        tensors.update(load_file(bucket.path))
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    for path in model_dir.iterdir():
+        if path.is_file() and path.suffix in (".json", ".txt", ".jinja") and "safetensors" not in path.name:
+            shutil.copy2(path, folder / path.name)
+    shutil.rmtree(Path(manifest.folder), ignore_errors=True)
+
+
+async def run(config: RunConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True) -> RunResult:
+    return await Controller(config, run_dir, resume=resume, progress=progress).run()

@@ -1,0 +1,187 @@
+"""A run's recipe: one TOML file whose tables fill each component's typed config.
+
+    [model]    where the weights come from (a folder, or a fresh `init_model`)
+    [task]     the prompts and the reward function (a dotted path)
+    [sft]      the warm start before RL (stops when sampled probe accuracy reaches a target)
+    [rollout]  engines, rollout workers, sampling, group size, requests in flight, partial rollouts
+    [buffer]   capacity, what becomes of stale / aborted groups, the filter
+    [loop]     mode (sync | one_step_off | async), max_staleness, steps, batch, checkpoints, seed
+    [trainer]  TrainerConfig (without model_dir: the run sets it)
+    [weights]  WeightSyncConfig (without family: read from the model)
+    [eval]     none | shared | dedicated | command, every N steps
+
+`load_recipe(path, overrides)` reads the file and applies `key=value` overrides (dotted keys,
+TOML values: `loop.num_steps=20`, `rollout.sampling.temperature=0.7`, `eval.mode="shared"`).
+Unknown keys and wrong types fail with the key's path, e.g. `Expected int, got str - at
+$.loop.num_steps`.
+
+Try it: `python -c "from miles_async.actors.recipe import load_recipe; print(load_recipe('recipes/reverse.toml'))"`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from miles_async.actors.rollout import SamplingConfig
+from miles_async.engine.core import EngineConfig
+from miles_async.policies.buffer import BufferConfig
+from miles_async.rl import AdvantageConfig, PolicyLossConfig
+from miles_async.tasks.reverse import ReverseTaskConfig
+
+MODES = {"sync": 0, "one_step_off": 1}
+
+
+class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    path: str = ""  # a Hugging Face folder; "" makes one with init_model under the run folder
+    family: str = "qwen3"
+    preset: str = "tiny"
+    seed: int = 0
+
+
+class TaskSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    reverse: ReverseTaskConfig = ReverseTaskConfig()
+    num_prompts: int = 20000  # the training set (positions cycle when the run outlasts it)
+    reward: str = "miles_async.tasks.reverse:reward"
+
+
+class SFTSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    max_steps: int = 300  # 0 skips the warm start
+    batch_size: int = 32
+    lr: float = 1e-3
+    target_accuracy: float = 0.15  # sampled (temperature 1) accuracy on the probe set that ends it
+    probe_every: int = 10
+    num_probe: int = 64
+
+
+class RolloutSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    num_engines: int = 1
+    num_workers: int = 1
+    group_size: int = 8
+    target_in_flight: int = 64
+    max_in_flight_per_engine: int | None = None
+    partial: Literal["continue", "abort_retry"] = "continue"  # requests in flight across a weight update
+    sampling: SamplingConfig = SamplingConfig()
+    engine: EngineConfig = EngineConfig(kv_cache_mib=16, max_seq_len=64)
+    engine_threads: int = 1
+
+
+class LoopSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    mode: Literal["sync", "one_step_off", "async"] = "async"
+    max_staleness: int = 2  # used by mode "async" (sync is 0, one_step_off is 1)
+    num_steps: int = 100
+    batch_groups: int = 8
+    checkpoint_every: int = 0  # 0: only at the end (and on Ctrl-C)
+    seed: int = 0
+
+    @property
+    def staleness(self) -> int:
+        return MODES.get(self.mode, self.max_staleness)
+
+
+class TrainerSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    lr: float = 1e-4
+    micro_batch_tokens: int = 2048
+    num_threads: int = 1
+    world_size: int = 1
+    grad_clip: float = 1.0
+    policy_loss: PolicyLossConfig = PolicyLossConfig()
+    advantage: AdvantageConfig = AdvantageConfig()
+    old_logprobs: Literal["trainer", "rollout"] = "trainer"
+
+
+class WeightsSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    transport: str = "shm"
+    bucket_mib: float = 64.0
+    verify: str = "first"
+    double_buffer: bool = True
+
+
+class EvalSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    mode: Literal["none", "shared", "dedicated", "command"] = "shared"
+    every: int = 20
+    num_prompts: int = 64
+    temperature: float = 0.0
+    command: str = ""  # mode "command": run with {checkpoint} replaced; its last stdout line is {"score": x}
+
+
+class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    model: ModelSection = ModelSection()
+    task: TaskSection = TaskSection()
+    sft: SFTSection = SFTSection()
+    rollout: RolloutSection = RolloutSection()
+    buffer: BufferConfig = BufferConfig()
+    loop: LoopSection = LoopSection()
+    trainer: TrainerSection = TrainerSection()
+    weights: WeightsSection = WeightsSection()
+    eval: EvalSection = EvalSection()
+
+    def __post_init__(self) -> None:
+        if self.loop.num_steps < 0 or self.loop.batch_groups < 1:
+            raise ValueError(f"loop.num_steps must be >= 0 and loop.batch_groups >= 1, got {self.loop.num_steps} "
+                             f"and {self.loop.batch_groups}")
+        if self.rollout.num_engines < 1 or self.rollout.num_workers < 1:
+            raise ValueError("rollout.num_engines and rollout.num_workers must be >= 1")
+        if self.eval.mode == "command" and not self.eval.command:
+            raise ValueError('eval.mode = "command" needs eval.command (with {checkpoint} where the folder goes)')
+
+
+def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for key in parents:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"override {dotted!r}: {key!r} is a value, not a table")  # noqa: TRY004 - bad input
+        node = child
+    node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=VALUE` -> ("a.b", VALUE parsed as TOML, or the raw text when it is not a TOML value)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ValueError(f"override {text!r} must look like key=value (e.g. loop.num_steps=20)")
+    try:
+        value = msgspec.toml.decode(f"v = {raw.strip()}")["v"]
+    except msgspec.DecodeError:
+        value = raw.strip()  # a bare word: a string
+    return key, value
+
+
+def _check_keys(tree: dict[str, Any], cls: type, where: str) -> None:
+    """Unknown keys fail by their path (msgspec checks only structs marked forbid_unknown_fields)."""
+    fields = {f.encode_name: f for f in msgspec.structs.fields(cls)}
+    for key, value in tree.items():
+        field = fields.get(key)
+        if field is None:
+            raise ValueError(f"unknown key {where}{key!r}; {cls.__name__} has: {', '.join(fields)}")
+        kind = field.type
+        if isinstance(value, dict) and isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+            _check_keys(value, kind, f"{where}{key}.")
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a recipe (None: all defaults) and apply overrides; ValueError naming the bad key."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            tree = msgspec.toml.decode(Path(path).read_text())
+        except FileNotFoundError as e:
+            raise ValueError(f"recipe {path} does not exist") from e
+        except msgspec.DecodeError as e:
+            raise ValueError(f"recipe {path} is not valid TOML: {e}") from e
+    for text in overrides:
+        _set(tree, *parse_override(text))
+    _check_keys(tree, RunConfig, "")
+    try:
+        return msgspec.convert(tree, RunConfig)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"recipe {path or '(defaults)'}: {e}") from e
+
+
+def dump_recipe(config: RunConfig) -> dict[str, Any]:
+    return msgspec.to_builtins(config)

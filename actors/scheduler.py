@@ -1,0 +1,259 @@
+"""`RefillScheduler`: keeps the engines busy with rollouts, one sample at a time (sample-level refill).
+
+    dataset ──► RefillScheduler ──Rollout──► RolloutWorker(s) ──► engines
+                   ▲      │ SampleOut
+                   │      └── n samples of a prompt ──PutGroup──► Buffer
+                   ├── WeightVersionChanged (pusher side: an engine holds a new version)
+                   ├── TrainerStepped (controller: a step trained these prompts)
+                   ├── GroupsDropped (buffer: regenerate or forget these prompts)
+                   └── EngineLost (an engine died: its in-flight samples go to the others)
+
+The decisions (what to submit, where, whether admission is open) are
+`policies.refill.RefillPolicy`'s; this actor sends them and collects the answers. A finished
+sample frees its slot at once and the slot is refilled in the same turn; a group whose n samples
+are in goes to the buffer. Replies from an engine that was declared lost are ignored (the policy
+reissued those samples), so no sample is counted twice.
+
+Every sample's sampling seed is derived from the run seed and (prompt, index, attempt), so a run
+is reproducible whatever the completion order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import msgspec
+
+from miles_async.actors.buffer import GroupsDropped, PutGroup
+from miles_async.actors.rollout import Rollout, SampleOut, SamplingConfig
+from miles_async.policies.buffer import Group, SampleRecord
+from miles_async.policies.refill import RefillConfig, RefillPolicy, Submit
+from miles_async.runtime import Actor, ActorRef, Clock, Message, RealClock, handler
+from miles_async.tasks.reverse import Prompt
+
+log = logging.getLogger("miles_async.actors.scheduler")
+
+
+class SchedulerState(msgspec.Struct, frozen=True, kw_only=True):
+    trainer_version: int
+    policy_version: int | None
+    num_in_flight: int
+    num_pending_groups: int
+    num_samples_done: int
+    num_groups_put: int
+    next_prompt: int  # the lowest dataset position not yet trained or discarded (the resume cursor)
+    exhausted: bool
+    admission_idle_s: float
+    engine_busy_s: dict[str, float]
+
+
+class AddEngine(Message):
+    name: str
+    url: str
+    version: int
+
+
+class WeightVersionChanged(Message):
+    engine: str
+    version: int
+
+
+class TrainerStepped(Message):
+    version: int
+    prompt_ids: list[int]
+
+
+class EngineLost(Message):
+    name: str
+
+
+class GetSchedulerState(Message):
+    Reply: ClassVar[Any] = SchedulerState
+
+
+class HoldRollouts(Message):
+    """hold=True: send no new rollout requests (in-flight ones finish); False: send what waited."""
+
+    hold: bool
+    Reply: ClassVar[Any] = None
+
+
+def sample_seed(run_seed: int, prompt_index: int, index: int, attempt: int) -> int:
+    return zlib.crc32(f"{run_seed}:{prompt_index}:{index}:{attempt}".encode())
+
+
+class RefillScheduler(Actor):
+    """See the module docstring. `dataset[i]` is prompt position i; `on_sample` sees every finished sample."""
+
+    mailbox_capacity: ClassVar[int] = 4096
+
+    def __init__(self, config: RefillConfig, dataset: list[Prompt], sampling: SamplingConfig, *,
+                 workers: list[str], buffer: str, seed: int = 0, trainer_version: int = 0, first_prompt: int = 0,
+                 on_sample: Callable[[SampleOut, bool], None] | None = None, clock: Clock | None = None,
+                 timeout_s: float = 3600.0) -> None:
+        if not dataset:
+            raise ValueError("the scheduler needs a non-empty dataset of prompts")
+        if not workers:
+            raise ValueError("the scheduler needs at least one rollout worker")
+        self.policy = RefillPolicy(config, trainer_version=trainer_version, first_prompt_id=first_prompt)
+        self.dataset = dataset
+        self.sampling = sampling
+        self.worker_names = workers
+        self.buffer_name = buffer
+        self.seed = seed
+        self.on_sample = on_sample
+        self.timeout_s = timeout_s
+        self.clock = clock or RealClock()
+        self.workers: list[ActorRef] = []
+        self.buffer: ActorRef | None = None
+        self.engines: dict[str, tuple[str, int]] = {}  # name -> (url, version)
+        self.groups: dict[tuple[int, int], list[SampleOut]] = {}  # (prompt, attempt) -> samples so far
+        self.unfinished: set[int] = set()  # prompts admitted and not yet trained or discarded
+        self.tasks: set[asyncio.Task] = set()
+        self.num_samples_done = 0
+        self.num_groups_put = 0
+        self.busy_s: dict[str, float] = {}
+        self._busy_since: dict[str, float] = {}
+        self._next_worker = 0
+        self.held: list[Submit] | None = None  # submits kept back while rollouts are held
+
+    async def on_start(self) -> None:
+        self.workers = [await self.system.lookup(name, timeout_s=60.0) for name in self.worker_names]
+
+    async def on_stop(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+
+    # ----- events -----
+
+    @handler
+    async def add_engine(self, msg: AddEngine) -> None:
+        self.engines[msg.name] = (msg.url, msg.version)
+        self.busy_s.setdefault(msg.name, 0.0)
+        self._dispatch(self.policy.add_engine(msg.name, msg.version, self.clock.now()))
+
+    @handler
+    async def weight_version(self, msg: WeightVersionChanged) -> None:
+        if msg.engine in self.engines:
+            url, _ = self.engines[msg.engine]
+            self.engines[msg.engine] = (url, msg.version)
+            self._dispatch(self.policy.on_weight_version(msg.engine, msg.version, self.clock.now()))
+
+    @handler
+    async def trainer_stepped(self, msg: TrainerStepped) -> None:
+        self.unfinished.difference_update(msg.prompt_ids)
+        self._dispatch(self.policy.on_trainer_step(msg.version, msg.prompt_ids, self.clock.now()))
+
+    @handler
+    async def groups_dropped(self, msg: GroupsDropped) -> None:
+        if not msg.retry:
+            self.unfinished.difference_update(msg.prompt_ids)
+        self._dispatch(self.policy.on_groups_dropped(msg.prompt_ids, retry=msg.retry, now=self.clock.now()))
+
+    @handler
+    async def engine_lost(self, msg: EngineLost) -> None:
+        if msg.name not in self.engines:
+            return
+        del self.engines[msg.name]
+        self._mark_busy(msg.name, False)
+        removed = self.policy.remove_engine(msg.name, self.clock.now())
+        log.warning("engine %s lost: %d in-flight samples go to the other engines", msg.name,
+                    len(removed.lost_request_ids))
+        self._dispatch(removed.submit)
+
+    @handler
+    async def hold(self, msg: HoldRollouts) -> None:
+        if msg.hold:
+            self.held = self.held if self.held is not None else []
+        else:
+            held, self.held = self.held or [], None
+            self._dispatch(held)
+
+    @handler
+    async def state(self, msg: GetSchedulerState) -> SchedulerState:
+        now = time.monotonic()
+        busy = {name: s + (now - self._busy_since[name] if name in self._busy_since else 0.0)
+                for name, s in self.busy_s.items()}
+        metrics = self.policy.metrics(self.clock.now())
+        return SchedulerState(
+            trainer_version=self.policy.trainer_version, policy_version=self.policy.policy_version,
+            num_in_flight=self.policy.num_in_flight, num_pending_groups=self.policy.num_pending_groups,
+            num_samples_done=self.num_samples_done, num_groups_put=self.num_groups_put,
+            next_prompt=min(self.unfinished, default=self.policy.next_prompt_id), exhausted=self.policy.exhausted,
+            admission_idle_s=metrics.admission_idle_s, engine_busy_s=busy)
+
+    # ----- sending and collecting -----
+
+    def _dispatch(self, submits: list[Submit]) -> None:
+        if self.held is not None:
+            self.held.extend(submits)
+            return
+        for submit in submits:
+            self.unfinished.add(submit.prompt_id)
+            url, version = self.engines[submit.engine]
+            worker = self.workers[self._next_worker % len(self.workers)]
+            self._next_worker += 1
+            prompt = self.dataset[submit.prompt_id % len(self.dataset)]
+            msg = Rollout(request_id=submit.request_id, prompt_index=submit.prompt_id, index=submit.index,
+                          attempt=submit.attempt, engine=submit.engine, engine_url=url, engine_version=version,
+                          prompt=prompt, sampling=self.sampling,
+                          seed=sample_seed(self.seed, submit.prompt_id, submit.index, submit.attempt))
+            self._mark_busy(submit.engine, True)
+            task = asyncio.get_running_loop().create_task(self._run(worker, msg))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _run(self, worker: ActorRef, msg: Rollout) -> None:
+        try:
+            sample = await worker.ask(msg, timeout_s=self.timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the worker died or failed: the sample counts as aborted
+            sample = SampleOut(request_id=msg.request_id, prompt_index=msg.prompt_index, index=msg.index,
+                               attempt=msg.attempt, engine=msg.engine, prompt_ids=list(msg.prompt.input_ids),
+                               output_ids=[], output_logprobs=[], output_text="", finish_reason="error",
+                               versions=[msg.engine_version], reward=0.0, submit_s=time.time(), end_s=time.time(),
+                               error=f"{type(e).__name__}: {e}")
+        await self._collect(sample)
+
+    async def _collect(self, sample: SampleOut) -> None:
+        if not self.policy.owns(sample.request_id):
+            if self.on_sample is not None:
+                self.on_sample(sample, False)  # a lost engine's late reply: traced, not counted
+            return
+        self.num_samples_done += 1
+        if self.on_sample is not None:
+            self.on_sample(sample, True)
+        key = (sample.prompt_index, sample.attempt)
+        members = self.groups.setdefault(key, [])
+        members.append(sample)
+        submits = self.policy.on_sample_done(sample.request_id, self.clock.now())
+        engine_load = self.policy.metrics(self.clock.now()).in_flight_per_engine
+        for name, load in engine_load.items():
+            self._mark_busy(name, load > 0)
+        self._dispatch(submits)
+        if len(members) == self.policy.config.group_size:
+            del self.groups[key]
+            await self._put(sample.prompt_index, sample.attempt, members)
+
+    async def _put(self, prompt_index: int, attempt: int, members: list[SampleOut]) -> None:
+        records = tuple(SampleRecord(prompt_id=prompt_index, index=s.index, versions=tuple(s.versions), reward=s.reward,
+                                     aborted=s.aborted, num_output_tokens=len(s.output_ids), payload=s)
+                        for s in sorted(members, key=lambda s: s.index))
+        if self.buffer is None:  # looked up on first use: the buffer is spawned after this actor
+            self.buffer = await self.system.lookup(self.buffer_name, timeout_s=60.0)
+        await self.buffer.ask(PutGroup(group=Group(prompt_id=prompt_index, samples=records, attempt=attempt)),
+                              timeout_s=self.timeout_s)
+        self.num_groups_put += 1
+
+    def _mark_busy(self, engine: str, busy: bool) -> None:
+        now = time.monotonic()
+        if busy and engine not in self._busy_since:
+            self._busy_since[engine] = now
+        elif not busy and engine in self._busy_since:
+            self.busy_s[engine] = self.busy_s.get(engine, 0.0) + now - self._busy_since.pop(engine)

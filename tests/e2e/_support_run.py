@@ -1,0 +1,47 @@
+"""Helpers of the main-job tests: the shortening overrides, the CLI in a subprocess, bounded waits."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+# A few seconds of work after start-up: 10 SFT steps, groups of 4, batches of 2 groups, short outputs.
+SHORT = ["sft.max_steps=10", "sft.probe_every=10", "sft.target_accuracy=1.0", "sft.num_probe=8",
+         "task.num_prompts=400", "loop.batch_groups=2", "rollout.group_size=4", "rollout.target_in_flight=16",
+         "buffer.filter=none", "eval.num_prompts=8", "rollout.sampling.max_new_tokens=8"]
+
+
+def run_cli(args: list[str], timeout_s: float = 200.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "miles_async.launch.cli", *args], check=False, capture_output=True,
+                          text=True,
+                          timeout=timeout_s)
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g}s")
+        time.sleep(0.05)
+
+
+def pids_alive(root: int) -> list[int]:
+    """Every live descendant of process `root` (from /proc)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2:].split()
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        found += children
+        frontier += children
+    return found

@@ -1,0 +1,149 @@
+"""The main job, shortened: `miles-async run recipes/reverse.toml` end to end on the tiny model.
+
+Real processes throughout (an engine process, trainer rank processes, the controller's actors).
+Each run is shortened by overrides to a few seconds of work after start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _support_run import SHORT, pids_alive, run_cli, wait_for
+
+from miles_async.actors.controller import Controller
+from miles_async.actors.engine import EngineStatus
+from miles_async.actors.recipe import load_recipe
+from miles_async.observe import SampleTrace, StepTrace, decode_trace
+from miles_async.runtime import run as run_async
+
+pytestmark = pytest.mark.slow
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "reverse.toml"
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(240)
+def test_the_recipe_runs_and_writes_metrics_trace_checkpoint_and_plots(tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli(["run", str(RECIPE), "--out", str(out), "--quiet", *SHORT, "loop.num_steps=4", "eval.every=2"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["num_steps"] == 4 and not summary["interrupted"] and summary["sft_steps"] == 10
+    assert [s for s, _ in summary["eval_scores"]] == [2, 4]
+    metrics = rows(out)
+    assert [r["step"] for r in metrics] == [1, 2, 3, 4]
+    assert all(r["num_samples"] == 8 and 0 <= r["reward_mean"] <= 1 and r["step_s"] > 0 for r in metrics)
+    assert "eval_score" in metrics[1] and "eval_score" not in metrics[0]
+    kinds = {type(r).__name__ for r in decode_trace(out / "trace.jsonl")}
+    assert kinds == {"SampleTrace", "StepTrace", "UpdateTrace", "EvalTrace"}
+    assert any((out / "checkpoints").iterdir()) and (out / "sft_model" / "model.safetensors").is_file()
+    plots = run_cli(["plot", str(out)])
+    assert plots.returncode == 0, plots.stderr
+    assert sorted(p.name for p in (out / "plots").iterdir()) == ["mismatch.png", "reward.png", "staleness.png",
+                                                                 "step_time.png"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("mode", "bound"), [("sync", 0), ("one_step_off", 1)])
+def test_modes_bound_the_staleness_of_what_is_trained(tmp_path, mode, bound):
+    config = load_recipe(RECIPE, [*SHORT, "loop.num_steps=5", f"loop.mode={mode}", "eval.mode=none"])
+    result = run_async(Controller(config, tmp_path, progress=False).run())
+    assert result.num_steps == 5
+    staleness = [r["staleness_max"] for r in rows(tmp_path)]
+    assert max(staleness) <= bound
+    if mode == "sync":  # lockstep: generation waits for every update, so nothing is ever stale
+        assert staleness == [0] * 5
+
+
+@pytest.mark.timeout(240)
+def test_two_trainer_ranks_and_a_dedicated_eval_engine(tmp_path):
+    config = load_recipe(RECIPE, [*SHORT, "loop.num_steps=3", "trainer.world_size=2", "eval.mode=dedicated",
+                                  "eval.every=3"])
+    result = run_async(Controller(config, tmp_path, progress=False).run())
+    assert result.num_steps == 3 and len(result.eval_scores) == 1
+    assert [r["step"] for r in rows(tmp_path)] == [1, 2, 3]
+
+
+@pytest.mark.timeout(240)
+def test_an_external_eval_command_gets_a_loadable_checkpoint(tmp_path):
+    script = tmp_path / "score.py"
+    script.write_text("import json, sys\nfrom miles_async.models import load_pretrained\n"
+                      "m = load_pretrained(sys.argv[1])\nprint('loaded')\nprint(json.dumps({'score': 0.25}))\n")
+    command = f"{sys.executable} {script} {{checkpoint}}"
+    config = load_recipe(RECIPE, [*SHORT, "loop.num_steps=2", "eval.mode=command", "eval.every=2",
+                                  f"eval.command={json.dumps(command)}"])
+    result = run_async(Controller(config, tmp_path / "run", progress=False).run())
+    assert result.eval_scores == [(2, 0.25)]
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_saves_a_checkpoint_leaves_no_process_and_resume_continues(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "miles_async.launch.cli", "run", str(RECIPE), "--out", str(out), "--quiet",
+           *SHORT, "loop.num_steps=10000", "eval.mode=none"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (out / "metrics.jsonl").is_file() and len(rows(out)) >= 3, 180, "three RL steps")
+        children = pids_alive(proc.pid)
+        assert children, "the run should have child processes (engine, trainer)"
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()], "child processes outlived the run"
+    stopped_at = rows(out)[-1]["step"]
+    resumed = run_cli(["run", str(RECIPE), "--out", str(out), "--quiet", "--resume", *SHORT,
+                       f"loop.num_steps={stopped_at + 2}", "eval.mode=none"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in rows(out)][-2:] == [stopped_at + 1, stopped_at + 2]
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert summary["resumed_from"] and Path(summary["resumed_from"]).parent == out / "checkpoints"
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_killed_mid_run_loses_no_sample_and_trains_none_twice(tmp_path):
+    config = load_recipe(RECIPE, [*SHORT, "loop.num_steps=8", "rollout.num_engines=2", "eval.mode=none",
+                                  "rollout.sampling.max_new_tokens=24"])
+    controller = Controller(config, tmp_path, progress=False)
+
+    async def main():
+        task = asyncio.ensure_future(controller.run())
+        while not ((tmp_path / "metrics.jsonl").is_file() and len(rows(tmp_path)) >= 2):
+            assert not task.done(), task.exception() if task.done() else ""
+            await asyncio.sleep(0.05)
+        victim = next(e for e in controller.engines if e.name == "engine-1")
+        state = await victim.ask(EngineStatus(), timeout_s=30)
+        os.kill(state.pid, signal.SIGKILL)
+        return await task
+
+    result = run_async(main())
+    assert result.num_steps == 8 and not result.interrupted
+    trace = decode_trace(tmp_path / "trace.jsonl")
+    trained = [p for r in trace if isinstance(r, StepTrace) for p in r.prompt_ids]
+    assert len(trained) == len(set(trained)) == 8 * 2  # every step trained 2 groups, no group twice
+    samples = [r for r in trace if isinstance(r, SampleTrace)]
+    counted = {(s.prompt_id, s.attempt, s.index) for s in samples if not s.dropped}
+    assert len(counted) == len([s for s in samples if not s.dropped])  # no sample counted twice
+    late = [s for s in samples if s.engine == "engine-1" and s.submit_s > 0]
+    assert late, "engine-1 should have served samples before it died"
+    after_kill = [s for s in samples if s.engine == "engine-0" and s.end_s > max(x.end_s for x in late)]
+    assert after_kill, "the surviving engine should have carried on"
+    for prompt in trained:  # each trained group has all its n samples, from one attempt
+        attempts = {s.attempt for s in samples if s.prompt_id == prompt and not s.dropped
+                    and s.finish_reason in ("stop", "length")}
+        assert attempts
