@@ -108,7 +108,13 @@ def single_process_group(backend: str = "auto", timeout_s: float = 60.0) -> Iter
 
 
 def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
-    """FSDP2: `fully_shard` each decoder block, then the root (in place; returns the model)."""
+    """FSDP2: `fully_shard` each decoder block, then the root (in place; returns the model).
+
+    A world of one rank keeps the plain module: there is nothing to shard, and FSDP's DTensor
+    bookkeeping cost about a sixth of a tiny model's step here (42 vs 35 ms for 64 samples).
+    """
+    if dist.get_world_size() == 1:
+        return model
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.model.layers:
         fully_shard(block, mesh=mesh)

@@ -292,3 +292,22 @@ def test_load_tokenizer_errors(tmp_path: Path) -> None:
     build_tokenizer().save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="has no chat template"):
         load_tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_many_short_packed_samples_attend_padded_exactly_as_with_the_block_mask():
+    from miles_async.models.attention import DenseCausalAttention, PaddedLayout
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [5, 3, 7, 1, 6, 4, 2, 5]
+    positions_BT = torch.cat([torch.arange(n) for n in lengths])[None]
+    assert PaddedLayout(positions_BT).worth_it()
+    q, k, v = (torch.randn(1, sum(lengths), 4, 8, generator=gen, requires_grad=True) for _ in range(3))
+    padded = DenseCausalAttention()(0, q, k, v, positions_BT)
+    mask = packed_causal_mask(positions_BT)
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask).transpose(1, 2)
+    torch.testing.assert_close(padded, reference, atol=1e-6, rtol=1e-5)
+    grads = torch.autograd.grad(padded.sum(), (q, k, v))
+    reference_grads = torch.autograd.grad(reference.sum(), (q, k, v))
+    for got, want in zip(grads, reference_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
