@@ -126,6 +126,7 @@ class Controller:
         self.step = 0
         self.eval_scores: list[tuple[int, float]] = []
         self.resumed_from: str | None = None
+        self.update_task: asyncio.Future | None = None  # the weight push in flight
         self.rollout_rewards: list[float] = []  # of every sample finished since the last step
 
     # ----- setup -----
@@ -199,11 +200,13 @@ class Controller:
                               max_in_flight_per_engine=r.max_in_flight_per_engine)
         self.scheduler = await system.spawn(
             RefillScheduler, "scheduler", args=(refill, self.dataset, r.sampling),
-            kwargs={"workers": workers, "buffer": "buffer", "seed": loop.seed, "trainer_version": self.version,
+            kwargs={"workers": workers, "buffer": "buffer", "seed": loop.seed if r.seeded else None, "trainer_version": self.version,
                     "first_prompt": first_prompt, "on_sample": self._trace_sample})
         self.buffer = await system.spawn(Buffer, "buffer", args=(buffer_cfg, "scheduler"))
         for ref in self.engines:
-            await self.scheduler.tell(AddEngine(name=ref.name, url=self.engine_urls[ref.name], version=self.version))
+            actor = ref.name if r.client == "actor" else ""
+            await self.scheduler.tell(AddEngine(name=ref.name, url=self.engine_urls[ref.name], version=self.version,
+                                                actor=actor))
 
     def _trace_sample(self, sample: SampleOut, counted: bool) -> None:
         if counted and not sample.aborted:
@@ -221,12 +224,32 @@ class Controller:
         assert self.trainer is not None
         start = self._now()
         manifest = await self.trainer.ask(ExportWeights(), ASK_S)
-        report = await (pusher or self.pusher).ask(PushWeights(version=manifest.weight_version, manifest=manifest),
-                                                   timeout_s=ASK_S)
-        end = self._now()
-        self.trace.write(UpdateTrace(version=report.version, start_s=start, end_s=end, transport=report.transport,
-                                     num_bytes=report.num_bytes, paused_s=report.seconds))
-        return end - start
+        await self._push_manifest(manifest, pusher)
+        return self._now() - start
+
+    async def _push_manifest(self, manifest: Any, pusher: ActorRef | None = None) -> None:
+        """Push an exported version to the engines, trace it, and delete the export (it is consumed)."""
+        start = self._now()
+        try:
+            report = await (pusher or self.pusher).ask(PushWeights(version=manifest.weight_version,
+                                                                   manifest=manifest), timeout_s=ASK_S)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, manifest.folder, True)
+        self.trace.write(UpdateTrace(version=report.version, start_s=start, end_s=self._now(),
+                                     transport=report.transport, num_bytes=report.num_bytes, paused_s=report.seconds))
+
+    async def _update_engines(self, manifest: Any) -> None:
+        """The background half of a step's weight update: push, then tell the scheduler the engines moved."""
+        assert self.scheduler is not None
+        await self._push_manifest(manifest)
+        for ref in self.engines:
+            await self.scheduler.tell(WeightVersionChanged(engine=ref.name, version=manifest.weight_version))
+
+    async def _settle_update(self) -> None:
+        """Wait for the weight update in flight (before the next one, an eval, a checkpoint or the end)."""
+        task, self.update_task = self.update_task, None
+        if task is not None:
+            await task
 
     # ----- SFT warm start -----
 
@@ -280,6 +303,7 @@ class Controller:
     # ----- evaluation -----
 
     async def _evaluate(self) -> float:
+        await self._settle_update()  # evaluate the weights just trained
         cfg = self.config.eval
         items = self.probe[:cfg.num_prompts]
         if cfg.mode == "shared":
@@ -346,15 +370,16 @@ class Controller:
                 t0 = time.perf_counter()
                 metrics = await self.trainer.ask(TrainStep(samples=samples, data_cursor=-1), ASK_S)
                 train_s = time.perf_counter() - t0
-                update_s = 0.0
-                if metrics.weight_version != self.version:
-                    self.version = metrics.weight_version
-                    await self.scheduler.tell(TrainerStepped(version=self.version, prompt_ids=prompt_ids))
-                    update_s = await self._push()
-                    for ref in self.engines:
-                        await self.scheduler.tell(WeightVersionChanged(engine=ref.name, version=self.version))
-                else:
-                    await self.scheduler.tell(TrainerStepped(version=self.version, prompt_ids=prompt_ids))
+                # The update overlaps the next step: the trainer only exports (a gather and a file
+                # write); the pusher moves the weights while the trainer trains on the next batch.
+                t1 = time.perf_counter()
+                self.version = metrics.weight_version
+                await self.scheduler.tell(TrainerStepped(version=self.version, prompt_ids=prompt_ids))
+                if not metrics.skipped:
+                    manifest = await self.trainer.ask(ExportWeights(), ASK_S)
+                    await self._settle_update()  # one update at a time, in version order
+                    self.update_task = asyncio.ensure_future(self._update_engines(manifest))
+                update_s = time.perf_counter() - t1
                 eval_score = None
                 if cfg.eval.mode != "none" and cfg.eval.every > 0 and (step % cfg.eval.every == 0
                                                                        or step == cfg.loop.num_steps):
@@ -399,6 +424,7 @@ class Controller:
                 progress.update(row)
                 if cfg.loop.checkpoint_every and step % cfg.loop.checkpoint_every == 0:
                     await self._checkpoint()
+        await self._settle_update()
         wall = time.perf_counter() - rl_start
         return rewards, trained / max(wall, 1e-9), idle_total / max(wall, 1e-9)
 
@@ -418,6 +444,7 @@ class Controller:
 
     async def _checkpoint(self) -> None:
         assert self.trainer is not None and self.scheduler is not None
+        await self._settle_update()
         state = await self.scheduler.ask(GetSchedulerState(), timeout_s=ASK_S)
         # Where the dataset resumes: the lowest prompt not yet trained or discarded (prompts past
         # it that were already trained are trained again after a resume: at most a few batches).
@@ -474,9 +501,8 @@ class Controller:
         if self.resume:
             log.info("no checkpoint under %s: starting fresh", self.run_dir / "checkpoints")
         sft_steps, accuracy = await self._sft()
-        if self.version == 0:
-            await self._push()  # the engines' weights are the trainer's (and verified once)
-        else:  # the warm-started model as a folder of its own: a start for other runs (model.path)
+        if self.version > 0:  # the warm-started model as a folder of its own, a start for other runs
+            # (model.path); at version 0 the engines already hold the trainer's weights (same files)
             manifest = await self.trainer.ask(ExportWeights(folder=str(self.run_dir / "sft_model" / "buckets")), ASK_S)
             await asyncio.to_thread(_as_hf_folder, self.model_dir, manifest, self.run_dir / "sft_model")
         return 0, 0, sft_steps, accuracy

@@ -67,6 +67,8 @@ class GenerateReply(msgspec.Struct, frozen=True, kw_only=True):
     output_token_logprobs: list[float] | None
     finish_reason: str | None
     weight_version: str
+    text: str = ""
+    weight_versions: list[int] = []  # every version the tokens were sampled under
 
 
 # -- messages -------------------------------------------------------------------------------
@@ -226,7 +228,8 @@ class EngineActor(Actor):
     async def generate(self, msg: Generate) -> GenerateReply:
         out = await self.engine.generate(msg.request)
         return GenerateReply(output_ids=out.output_ids, output_token_logprobs=out.output_token_logprobs,
-                             finish_reason=(out.finish_reason or {}).get("type"), weight_version=out.weight_version)
+                             finish_reason=(out.finish_reason or {}).get("type"), weight_version=out.weight_version,
+                             text=out.text or "", weight_versions=out.weight_versions)
 
     @handler(concurrent=True)  # read-only: answers even while a long transfer holds the mailbox
     async def status(self, msg: EngineStatus) -> EngineState:

@@ -59,6 +59,9 @@ class SFTSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 class RolloutSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     num_engines: int = 1
     num_workers: int = 1
+    # How workers reach embedded engines: "actor" (a message to the EngineActor's mailbox) or
+    # "http" (SGLang's HTTP API, as for a real SGLang server).
+    client: Literal["actor", "http"] = "actor"
     group_size: int = 8
     target_in_flight: int = 64
     max_in_flight_per_engine: int | None = None
@@ -66,6 +69,9 @@ class RolloutSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     sampling: SamplingConfig = SamplingConfig()
     engine: EngineConfig = EngineConfig(kv_cache_mib=16, max_seq_len=64)
     engine_threads: int = 1
+    # Give every sample its own sampling seed (from loop.seed and prompt, index, attempt), so a run
+    # samples the same whatever the completion order; costs the engine ~10% (a generator per row).
+    seeded: bool = False
 
 
 class LoopSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -68,6 +68,10 @@ class ReverseTaskConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_len: int = 6
     seed: int = 0
     probe_every: int = 16  # about 1 word in `probe_every` belongs to the probe split
+    # How word lengths are drawn: "uniform" over min_len..max_len, or "zipf": P(len) proportional
+    # to (len - min_len + 1) ** -zipf_a, mostly short with a long tail (as real rollouts' lengths are).
+    lengths: Literal["uniform", "zipf"] = "uniform"
+    zipf_a: float = 1.5
 
     def __post_init__(self) -> None:
         letters = self.alphabet
@@ -77,6 +81,9 @@ class ReverseTaskConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"alphabet {letters!r} must not contain {sorted(_RESERVED)} (the prompt's frame)")
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got min_len={self.min_len} max_len={self.max_len}")
+        if self.lengths not in ("uniform", "zipf") or not self.zipf_a > 0:
+            raise ValueError(f"lengths must be 'uniform' or 'zipf' (with zipf_a > 0), got {self.lengths!r}, "
+                             f"zipf_a={self.zipf_a}")
         if self.probe_every < 2:
             raise ValueError(f"probe_every must be >= 2 (1 would put every word in the probe split), "
                              f"got {self.probe_every}")
@@ -137,7 +144,8 @@ def num_words(config: ReverseTaskConfig) -> int:
 def prompts(config: ReverseTaskConfig, count: int, tokenizer: TextTokenizer, split: Split = "train") -> list[Prompt]:
     """`count` distinct prompts of `split`, the same for the same config, count and split.
 
-    Lengths are drawn uniformly, then letters, so short words are not outnumbered by long ones.
+    Lengths are drawn first (`config.lengths`), then letters, so short words are not outnumbered
+    by long ones.
     Raises ValueError if the split cannot supply `count` distinct words (widen the alphabet or the
     lengths, or ask for fewer).
     """
@@ -149,6 +157,8 @@ def prompts(config: ReverseTaskConfig, count: int, tokenizer: TextTokenizer, spl
     if count > total:
         raise ValueError(f"asked for {count} prompts but the config has only {total} words in all")
     rng = random.Random(f"reverse:{config.seed}:{split}")
+    sizes = list(range(config.min_len, config.max_len + 1))
+    weights = [(n - config.min_len + 1) ** -config.zipf_a for n in sizes]
     # Rejection sampling: bounded so that an impossible request fails instead of spinning.
     max_draws = 64 * count + 1024
     seen: set[str] = set()
@@ -156,7 +166,8 @@ def prompts(config: ReverseTaskConfig, count: int, tokenizer: TextTokenizer, spl
     for _ in range(max_draws):
         if len(out) == count:
             break
-        length = rng.randint(config.min_len, config.max_len)
+        length = (rng.randint(config.min_len, config.max_len) if config.lengths == "uniform"
+                  else rng.choices(sizes, weights)[0])
         word = "".join(rng.choice(config.alphabet) for _ in range(length))
         if word in seen or _split_of(config, word) != split:
             continue

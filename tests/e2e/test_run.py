@@ -54,9 +54,10 @@ def test_the_recipe_runs_and_writes_metrics_trace_checkpoint_and_plots(tmp_path)
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("mode", "bound"), [("sync", 0), ("one_step_off", 1)])
-def test_modes_bound_the_staleness_of_what_is_trained(tmp_path, mode, bound):
-    config = load_recipe(RECIPE, [*SHORT, "loop.num_steps=5", f"loop.mode={mode}", "eval.mode=none"])
+@pytest.mark.parametrize(("mode", "bound", "client"), [("sync", 0, "http"), ("one_step_off", 1, "actor")])
+def test_modes_bound_the_staleness_of_what_is_trained(tmp_path, mode, bound, client):
+    config = load_recipe(RECIPE, [*SHORT, "loop.num_steps=5", f"loop.mode={mode}", "eval.mode=none",
+                                  f"rollout.client={client}"])
     result = run_async(Controller(config, tmp_path, progress=False).run())
     assert result.num_steps == 5
     staleness = [r["staleness_max"] for r in rows(tmp_path)]

@@ -168,3 +168,11 @@ def test_structs_round_trip_through_msgspec(tokenizer: Tokenizer) -> None:
     assert config.alphabet == "fgjk" and config.max_len == 6
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"alphabet": "fgr"}, ReverseTaskConfig)  # __post_init__ runs on decode too
+
+
+def test_zipf_lengths_are_mostly_short_with_a_long_tail(tokenizer):
+    config = ReverseTaskConfig(lengths="zipf", min_len=4, max_len=24)
+    lengths = sorted(len(p.answer) for p in prompts(config, 1000, tokenizer))
+    assert lengths[500] <= 5 and lengths[-1] >= 18 and lengths[0] == 4
+    with pytest.raises(ValueError, match="lengths must be"):
+        ReverseTaskConfig(lengths="normal")
