@@ -34,7 +34,7 @@ from miles_async.actors.buffer import GroupsDropped, PutGroup
 from miles_async.actors.rollout import Rollout, SampleOut, SamplingConfig
 from miles_async.policies.buffer import Group, SampleRecord
 from miles_async.policies.refill import RefillConfig, RefillPolicy, Submit
-from miles_async.runtime import Actor, ActorRef, Clock, Message, RealClock, handler
+from miles_async.runtime import Actor, ActorDeadError, ActorRef, Clock, Message, RealClock, handler
 from miles_async.tasks.reverse import Prompt
 
 log = logging.getLogger("miles_async.actors.scheduler")
@@ -220,6 +220,9 @@ class RefillScheduler(Actor):
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the worker died or failed: the sample counts as aborted
+            if isinstance(e, ActorDeadError) and worker in self.workers and len(self.workers) > 1:
+                log.error("rollout worker %s died (%s); the others take its share", worker.name, e)
+                self.workers.remove(worker)
             sample = SampleOut(request_id=msg.request_id, prompt_index=msg.prompt_index, index=msg.index,
                                attempt=msg.attempt, engine=msg.engine, prompt_ids=list(msg.prompt.input_ids),
                                output_ids=[], output_logprobs=[], output_text="", finish_reason="error",

@@ -190,11 +190,13 @@ def _filtered_log_probs(logits_SV: torch.Tensor, params: Sequence[SamplingParams
 def _exponential_noise(
     shape: torch.Size, generators: Sequence[torch.Generator | None], shared: torch.Generator
 ) -> torch.Tensor:
-    noise_SV = torch.empty(shape)
+    # Exp(1) as -log(U): torch's CPU `exponential_` took 556 us for [64, 512] here, `rand` 89 us.
+    uniform_SV = torch.empty(shape)
     own = [i for i, g in enumerate(generators) if g is not None]
     rest = [i for i, g in enumerate(generators) if g is None]
     for i in own:
-        noise_SV[i].exponential_(generator=generators[i])
+        torch.rand(shape[1], generator=generators[i], out=uniform_SV[i])
     if rest:
-        noise_SV[rest] = torch.empty(len(rest), shape[1]).exponential_(generator=shared)
-    return noise_SV.clamp_(min=torch.finfo(noise_SV.dtype).tiny)
+        uniform_SV[rest] = torch.rand(len(rest), shape[1], generator=shared)
+    tiny = torch.finfo(uniform_SV.dtype).tiny
+    return uniform_SV.clamp_(min=tiny).log_().neg_().clamp_(min=tiny)

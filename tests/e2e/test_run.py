@@ -148,3 +148,35 @@ def test_an_engine_killed_mid_run_loses_no_sample_and_trains_none_twice(tmp_path
         attempts = {s.attempt for s in samples if s.prompt_id == prompt and not s.dropped
                     and s.finish_reason in ("stop", "length")}
         assert attempts
+
+
+@pytest.mark.timeout(240)
+def test_a_rollout_worker_stopped_mid_run_leaves_its_share_to_the_others(tmp_path):
+    config = load_recipe(RECIPE, [*SHORT, "loop.num_steps=6", "rollout.num_workers=2", "eval.mode=none"])
+    controller = Controller(config, tmp_path, progress=False)
+
+    async def main():
+        task = asyncio.ensure_future(controller.run())
+        while not ((tmp_path / "metrics.jsonl").is_file() and len(rows(tmp_path)) >= 2):
+            assert not task.done(), task.exception() if task.done() else ""
+            await asyncio.sleep(0.05)
+        await controller.system.stop(await controller.system.lookup("rollout-1"))
+        return await task
+
+    result = run_async(main())
+    assert result.num_steps == 6
+    trained = [p for r in decode_trace(tmp_path / "trace.jsonl") if isinstance(r, StepTrace) for p in r.prompt_ids]
+    assert len(trained) == len(set(trained)) == 6 * 2
+
+
+@pytest.mark.timeout(240)
+def test_abort_and_retry_across_weight_updates(tmp_path):
+    config = load_recipe(RECIPE, [*SHORT, "loop.num_steps=6", "rollout.partial=abort_retry", "eval.mode=none",
+                                  "rollout.sampling.max_new_tokens=24", "rollout.target_in_flight=32"])
+    result = run_async(Controller(config, tmp_path, progress=False).run())
+    assert result.num_steps == 6
+    samples = [r for r in decode_trace(tmp_path / "trace.jsonl") if isinstance(r, SampleTrace)]
+    aborted = [s for s in samples if s.finish_reason == "abort"]
+    assert aborted, "weight updates in abort mode should abort in-flight samples"
+    assert all(len(s.versions) == 1 for s in samples if s.finish_reason != "abort")  # never spans an update
+    assert any(s.attempt > 0 for s in samples)  # aborted groups were generated again

@@ -283,3 +283,13 @@ def test_submit_refuses_bad_requests_and_a_full_queue(dense_dir):
                 engine.submit(GenerateRequest(input_ids=[1], sampling_params=short))
 
     run(scenario())
+
+
+def test_sampling_draws_tokens_with_their_probabilities():
+    logits_RV = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
+    params = [SamplingParams(temperature=1.0)] * logits_RV.shape[0]
+    tokens_R, logprobs_R = sample(logits_RV, params, [None] * logits_RV.shape[0], make_generator(7))
+    frequencies_V = torch.bincount(tokens_R, minlength=4).double() / tokens_R.numel()
+    expected_V = torch.softmax(logits_RV[0].double(), dim=-1)
+    assert torch.allclose(frequencies_V, expected_V, atol=0.01), (frequencies_V, expected_V)
+    assert torch.allclose(logprobs_R, torch.log_softmax(logits_RV, -1).gather(1, tokens_R[:, None]).squeeze(1))
