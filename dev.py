@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
     verb, rest = argv[0], argv[1:]
     ensure_venv()
     if verb == "demo":
-        say("running the main job: miles-async run recipes/reverse.toml (about 5 minutes)")
+        say("running the main job: miles-async run recipes/reverse.toml (about a minute and a half)")
         return run([BIN / "miles-async", "run", str(ROOT / "recipes" / "reverse.toml"), *rest])
     say(f"running the tests: pytest -q {' '.join(rest)}".rstrip())
     return run([PYTHON, "-m", "pytest", "-q", *rest])

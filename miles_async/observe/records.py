@@ -9,7 +9,7 @@ Times are seconds since the run started (the controller's clock at launch), as f
 duration is the difference of two of them unless it has its own `_s` field.
 
 kind = "sample" (`SampleTrace`): one attempt at one completion of one prompt.
-    prompt_id      int    the prompt's id in its task (stable across epochs)
+    prompt_id      int    the prompt's dataset position (the refill scheduler's prompt id)
     index          int    which of the group's completions this is (0 .. n_samples_per_prompt-1)
     attempt        int    0 for the first try; +1 each time the sample is resubmitted after an abort
     engine         str    the engine actor that generated it (its actor name)
@@ -20,18 +20,22 @@ kind = "sample" (`SampleTrace`): one attempt at one completion of one prompt.
     versions       [int]  weight version of each engine call that contributed tokens, in order
                           (more than one entry when generation spanned a weight update)
     reward         float  the reward given; 0.0 when the sample was dropped before scoring
-    finish_reason  str    "stop", "length", "abort", ... as the engine reported it
-    dropped        str    "" when the sample went to the buffer; else why not: "stale",
-                          "aborted", "filtered" (as counted by the metrics' dropped_* keys)
+    finish_reason  str    "stop", "length", "abort" as the engine reported it; "error" (the engine
+                          failed or was unreachable), "reward_error" (the reward function raised)
+    dropped        str    "" when the sample counted (it went into its group); "engine_lost" for a
+                          late reply from an engine already declared lost (the sample was reissued).
+                          Group-level drops (aborted, filtered, stale) are the metrics' dropped_* keys
 
 kind = "train_step" (`StepTrace`): one optimiser step of the trainer.
     step            int    1-based optimiser step number
     weight_version  int    the version the weights get after this step
     start_s         s      when the trainer began waiting for this step's batch
-    end_s           s      when the step's weight update was done
+    end_s           s      when the step was done (its weight push may still be running: it
+                           overlaps the next step; see the weight_update record)
     wait_data_s     s      time blocked on the buffer for a full batch
     train_s         s      forward/backward/optimiser time
-    update_s        s      time spent pushing the new weights to the engines
+    update_s        s      time the trainer spent on the weight update (the export, and waiting
+                           for the previous push to finish)
     num_samples     int    samples in the batch
     num_tokens      tokens tokens in the batch (prompt + output)
     staleness_mean  float  mean over the batch of (trainer version - oldest generating version)
@@ -42,7 +46,7 @@ kind = "weight_update" (`UpdateTrace`): one broadcast of new weights to the engi
     version    int    the weight version pushed
     start_s    s      when the push began
     end_s      s      when every engine acknowledged the new version
-    transport  str    how the weights travelled ("shm", "nccl", "disk", "rdma", ...)
+    transport  str    how the weights travelled ("colocated", "broadcast", "shm", "disk_delta", "rdma")
     num_bytes  bytes  bytes sent (per engine, the tensor payload)
     paused_s   s      how long generation was paused for the update (0.0 if it was not)
 
@@ -50,7 +54,7 @@ kind = "eval" (`EvalTrace`): one evaluation of the current policy.
     step         int    the train step whose weights were evaluated
     score        float  the task's score (its own scale; mean reward for most tasks)
     num_samples  int    samples evaluated
-    mode         str    how they were generated ("greedy", "sampled", ...)
+    mode         str    where: "shared" engines, a "dedicated" engine, or an external "command"
 
 Write with `logs.TraceLog`; read back with `decode_trace(path)`.
 """
