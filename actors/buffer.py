@@ -98,6 +98,10 @@ class Buffer(Actor):
 
     @handler(concurrent=True)
     async def get(self, msg: GetBatch) -> Batch:
+        capacity = self.policy.config.capacity_groups
+        if msg.batch_groups > capacity and not msg.allow_partial:
+            raise ValueError(f"a batch of {msg.batch_groups} groups can never fill from a buffer of "
+                             f"capacity_groups={capacity}; raise buffer.capacity_groups")
         start = self.clock.now()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + msg.timeout_s

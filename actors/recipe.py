@@ -130,6 +130,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                              f"and {self.loop.batch_groups}")
         if self.rollout.num_engines < 1 or self.rollout.num_workers < 1:
             raise ValueError("rollout.num_engines and rollout.num_workers must be >= 1")
+        if self.buffer.capacity_groups < self.loop.batch_groups:
+            raise ValueError(f"buffer.capacity_groups ({self.buffer.capacity_groups}) must hold a batch "
+                             f"(loop.batch_groups = {self.loop.batch_groups})")
         if self.eval.mode == "command" and not self.eval.command:
             raise ValueError('eval.mode = "command" needs eval.command (with {checkpoint} where the folder goes)')
 

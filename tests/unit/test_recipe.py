@@ -29,6 +29,7 @@ def test_the_shipped_recipe_loads_and_overrides_apply():
     (["loop.num_steps"], "must look like key=value"),
     (["loop.num_steps.x=1"], "is a value, not a table"),
     (["eval.mode=command"], "needs eval.command"),
+    (["buffer.capacity_groups=4", "loop.batch_groups=8"], "must hold a batch"),
 ])
 def test_mistakes_name_the_key(overrides, message):
     with pytest.raises(ValueError, match=message):
