@@ -32,6 +32,20 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def run_with_fault(controller: Controller, run_dir: Path, fault):
+    """Run, and once two steps are done await `fault()` (while the run goes on); the run's result."""
+
+    async def main():
+        task = asyncio.ensure_future(controller.run())
+        while not ((run_dir / "metrics.jsonl").is_file() and len(rows(run_dir)) >= 2):
+            assert not task.done(), task.exception() if task.done() else ""
+            await asyncio.sleep(0.05)
+        await fault()
+        return await task
+
+    return run_async(main())
+
+
 @pytest.mark.timeout(240)
 def test_the_recipe_runs_and_writes_metrics_trace_checkpoint_and_plots(tmp_path):
     out = tmp_path / "run"
@@ -122,17 +136,12 @@ def test_an_engine_killed_mid_run_loses_no_sample_and_trains_none_twice(tmp_path
                                   "rollout.sampling.max_new_tokens=24"])
     controller = Controller(config, tmp_path, progress=False)
 
-    async def main():
-        task = asyncio.ensure_future(controller.run())
-        while not ((tmp_path / "metrics.jsonl").is_file() and len(rows(tmp_path)) >= 2):
-            assert not task.done(), task.exception() if task.done() else ""
-            await asyncio.sleep(0.05)
+    async def kill_engine_1():
         victim = next(e for e in controller.engines if e.name == "engine-1")
         state = await victim.ask(EngineStatus(), timeout_s=30)
         os.kill(state.pid, signal.SIGKILL)
-        return await task
 
-    result = run_async(main())
+    result = run_with_fault(controller, tmp_path, kill_engine_1)
     assert result.num_steps == 8 and not result.interrupted
     trace = decode_trace(tmp_path / "trace.jsonl")
     trained = [p for r in trace if isinstance(r, StepTrace) for p in r.prompt_ids]
@@ -155,15 +164,10 @@ def test_a_rollout_worker_stopped_mid_run_leaves_its_share_to_the_others(tmp_pat
     config = load_recipe(RECIPE, [*SHORT, "loop.num_steps=6", "rollout.num_workers=2", "eval.mode=none"])
     controller = Controller(config, tmp_path, progress=False)
 
-    async def main():
-        task = asyncio.ensure_future(controller.run())
-        while not ((tmp_path / "metrics.jsonl").is_file() and len(rows(tmp_path)) >= 2):
-            assert not task.done(), task.exception() if task.done() else ""
-            await asyncio.sleep(0.05)
+    async def stop_worker_1():
         await controller.system.stop(await controller.system.lookup("rollout-1"))
-        return await task
 
-    result = run_async(main())
+    result = run_with_fault(controller, tmp_path, stop_worker_1)
     assert result.num_steps == 6
     trained = [p for r in decode_trace(tmp_path / "trace.jsonl") if isinstance(r, StepTrace) for p in r.prompt_ids]
     assert len(trained) == len(set(trained)) == 6 * 2
