@@ -90,6 +90,9 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def to_train_sample(sample: SampleOut, group: int) -> TrainSample:
+    if sample.tokens:  # a multi-turn trajectory: its own mask (generated tokens only) and log-probs
+        return TrainSample(tokens=sample.tokens, loss_mask=sample.loss_mask, rollout_logprobs=sample.token_logprobs,
+                           reward=sample.reward, weight_version=min(sample.versions), group=group)
     tokens = sample.prompt_ids + sample.output_ids
     return TrainSample(tokens=tokens, loss_mask=[0] * len(sample.prompt_ids) + [1] * len(sample.output_ids),
                        rollout_logprobs=[0.0] * len(sample.prompt_ids) + sample.output_logprobs,

@@ -83,6 +83,12 @@ class SampleOut(msgspec.Struct, frozen=True, kw_only=True):
     submit_s: float  # time.time() when sent to the engine
     end_s: float
     error: str = ""
+    # A multi-turn sample (an agent's session): the whole trajectory as one sequence, its mask (1 on
+    # the tokens the model generated) and the rollout log-prob of every token (0.0 where masked).
+    # Empty for a single turn, which is prompt_ids + output_ids.
+    tokens: list[int] = []
+    loss_mask: list[int] = []
+    token_logprobs: list[float] = []
 
     @property
     def aborted(self) -> bool:
