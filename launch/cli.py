@@ -122,6 +122,28 @@ def _plot(args: argparse.Namespace, extra: list[str]) -> int:
     return plot_main(args.run_dir)
 
 
+def _serve_session(args: argparse.Namespace, extra: list[str]) -> int:
+    """`miles-async serve session`: the TITO session server in front of one or more engines."""
+    import json
+    import urllib.request
+
+    from miles_async.agents.session import main as serve_session
+
+    model = args.model
+    if model is None:
+        try:
+            with urllib.request.urlopen(f"{args.engine[0].rstrip('/')}/get_model_info", timeout=10) as response:
+                model = json.load(response).get("tokenizer_path")
+        except OSError as e:
+            print(f"{PROG} serve session: cannot ask {args.engine[0]} for its model ({e}); give --model DIR",
+                  file=sys.stderr)
+            return 2
+        if not model:
+            print(f"{PROG} serve session: {args.engine[0]} reports no tokenizer; give --model DIR", file=sys.stderr)
+            return 2
+    return serve_session(args.engine, model, args.host, args.port)
+
+
 def _add_verb(subparsers, name: str, help_text: str, handler: Handler, **kwargs) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(name, help=help_text, description=help_text, **kwargs)
     parser.set_defaults(handler=handler)
@@ -182,13 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="KV cache memory, all layers (default: %(default)s)")
     engine.add_argument("--max-running-requests", type=int, default=256, metavar="N",
                         help="requests decoded together at most; more wait (default: %(default)s)")
-    session = _add_verb(
-        servers,
-        "session",
-        "the TITO session server, OpenAI-compatible",
-        functools.partial(_not_implemented, "serve session"),
-    )
-    session.add_argument("--engine", required=True, metavar="URL", help="URL of the engine to route to")
+    session = _add_verb(servers, "session", "the TITO session server, OpenAI-compatible", _serve_session)
+    session.add_argument("--engine", required=True, action="append", metavar="URL",
+                         help="URL of an engine to route to (repeat for several; sessions stick to one)")
+    session.add_argument("--model", metavar="DIR",
+                         help="the model folder whose tokenizer to use (default: the engine's, from /get_model_info)")
+    session.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
     session.add_argument("--port", type=int, default=8000, metavar="P", help="port (default: %(default)s)")
 
     sim = _add_verb(

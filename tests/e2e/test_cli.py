@@ -54,7 +54,6 @@ def test_help_of_each_verb(verb: str) -> None:
     ("label", "command_line"),
     [
         ("launch", "launch --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 recipe.toml"),
-        ("serve session", "serve session --engine http://127.0.0.1:30000"),
         ("sim", "sim trace.jsonl --json"),
     ],
 )
@@ -70,6 +69,8 @@ def test_unwritten_verbs_say_so(label: str, command_line: str) -> None:
     ("run nowhere.toml loop.num_stepz=3", "does not exist"),
     ("run nowhere.toml --resume", "--resume needs --out DIR"),
     ("plot no/such/run", "miles-async plot:"),
+    ("serve session --engine http://127.0.0.1:9", "cannot ask http://127.0.0.1:9 for its model"),
+    ("serve session --engine http://127.0.0.1:9 --model no/such/dir", "cannot read the tokenizer"),
 ])
 def test_run_and_plot_refuse_bad_input_clearly(command_line: str, message: str) -> None:
     result = miles_async(*command_line.split())

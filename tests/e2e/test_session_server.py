@@ -1,0 +1,315 @@
+"""The TITO session server (miles_async.agents.session) driven by the real `openai` client.
+
+Each test serves a real tiny model (init_model, weights drawn wide so that outputs vary) with the
+embedded engine behind `EngineServer`, puts a `SessionServer` in front of it, all on 127.0.0.1 in
+the test's own event loop, and talks to it as an agent harness would. A random model does not
+write real tool calls, so the tool path is checked by rendering histories that hold assistant
+tool calls and tool results (and by tests/unit/test_agents_toolcalls.py). References: the
+tokenizer's own rendering, and the engine asked directly for the same input ids.
+The last tests drive `TitoTokenizer` (the pure half of the server) with chosen sampled ids, to
+check the mismatch accounting on cases a random model cannot be made to produce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+
+import aiohttp
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from miles_async.agents.session import Checkpoint, Session, SessionServer, TitoTokenizer, parse_chat_request
+from miles_async.engine.client import EngineClient
+from miles_async.engine.core import Engine, EngineConfig
+from miles_async.engine.server import EngineServer
+from miles_async.models import init_model, load_tokenizer
+
+TIMEOUT_S = 30
+pytestmark = pytest.mark.timeout(TIMEOUT_S + 10)
+LIVELY_STD = 0.3
+GREEDY = {"temperature": 0.0, "max_tokens": 8}
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"expression": {"type": "string"}}}}}]
+TOOL_HISTORY = [
+    SYSTEM,
+    {"role": "user", "content": "What is 3 * (4 + 5)?"},
+    {"role": "assistant", "content": "I will call the calculator.", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "calculator", "arguments": json.dumps({"expression": "3 * (4 + 5)"})}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "27"},
+    {"role": "user", "content": "Check it again, please."},
+]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return init_model("qwen3", "tiny", tmp_path_factory.mktemp("qwen3"), seed=0, init_std=LIVELY_STD)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return load_tokenizer(model_dir)
+
+
+@contextlib.asynccontextmanager
+async def served(model_dir, num_engines: int = 1):
+    async with contextlib.AsyncExitStack() as stack:
+        urls = []
+        for _ in range(num_engines):
+            engine = Engine.from_pretrained(str(model_dir), config=EngineConfig(kv_cache_mib=8, block_size=8))
+            urls.append((await stack.enter_async_context(EngineServer(engine))).url)
+        server = await stack.enter_async_context(SessionServer(urls, model_dir))
+        yield server, urls
+
+
+def client_for(server: SessionServer, session_id: str) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{server.url}/sessions/{session_id}/v1", api_key="x", max_retries=0,
+                       timeout=TIMEOUT_S)
+
+
+def reply_message(completion) -> dict:
+    message = completion.choices[0].message
+    out = {"role": "assistant", "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+    return out
+
+
+def extras(completion) -> tuple[list[int], list[int]]:
+    """(the prompt ids the server sent, the ids the engine sampled), vLLM's extra fields."""
+    return completion.model_extra["prompt_token_ids"], completion.choices[0].model_extra["token_ids"]
+
+
+def joined(parts: tuple[list[int], list[int]]) -> list[int]:
+    return parts[0] + parts[1]
+
+
+async def http_json(method: str, url: str, **kwargs) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as http, http.request(method, url, **kwargs) as response:
+        return response.status, await response.json()
+
+
+def test_three_turns_with_tool_history_are_token_exact(model_dir, tokenizer):
+    async def scenario():
+        async with served(model_dir) as (server, urls):
+            client = client_for(server, "s1")
+            messages, completions = list(TOOL_HISTORY), []
+            for follow_up in ({"role": "tool", "tool_call_id": "call_2", "content": "27, again"},
+                              {"role": "user", "content": "Thanks."}, None):
+                completion = await client.chat.completions.create(
+                    model="tiny", messages=messages, tools=TOOLS, logprobs=True, **GREEDY)
+                completions.append((list(messages), completion))
+                messages += [reply_message(completion)] + ([follow_up] if follow_up else [])
+            async with EngineClient(urls[0], timeout_s=TIMEOUT_S) as engine:
+                direct = [await engine.generate(input_ids=extras(c)[0], sampling_params={
+                    "temperature": 0.0, "max_new_tokens": 8}) for _, c in completions]
+            status, body = await http_json("GET", f"{server.url}/sessions/s1/samples")
+            return completions, direct, status, body, server.samples("s1"), server.stats()
+
+    completions, direct, status, body, samples, stats = run(scenario())
+    # Turn 1 is the template, rendered with the tools and the tool-call history, and tokenized.
+    first_messages, first = completions[0]
+    rendered = tokenizer.apply_chat_template(first_messages, tools=TOOLS, add_generation_prompt=True)
+    assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 * (4 + 5)"}}\n</tool_call>' in rendered
+    assert "<tool_response>\n27\n</tool_response>" in rendered
+    assert extras(first)[0] == tokenizer.encode(rendered)
+    # Each turn extends the last one's ids as sampled; the engine asked directly samples the same ids.
+    for (_, before), (_, after) in itertools.pairwise(completions):
+        prompt, output = extras(before)
+        assert extras(after)[0][:len(prompt) + len(output)] == prompt + output
+    for (_, completion), out in zip(completions, direct):
+        assert extras(completion)[1] == out["output_ids"]
+        assert completion.usage.completion_tokens == len(out["output_ids"])
+    # One linear history: one sample, its tokens the last prompt + output, mask 1 exactly on outputs.
+    assert status == 200 and len(body["samples"]) == 1 and body["metadata"]["num_turns"] == 3
+    (sample,) = samples
+    assert body["samples"][0] == json.loads(json.dumps(body["samples"][0])) and body["samples"][0]["tokens"] == sample.tokens
+    last_prompt, last_output = extras(completions[-1][1])
+    assert sample.tokens == last_prompt + last_output and sample.num_turns == 3
+    generated = [t for t, m in zip(sample.tokens, sample.loss_mask) if m]
+    assert generated == [t for _, c in completions for t in extras(c)[1]]
+    spans, position = [], 0
+    for _, completion in completions:
+        prompt, output = extras(completion)
+        spans += [0] * (len(prompt) - position) + [1] * len(output)
+        position = len(prompt) + len(output)
+    assert sample.loss_mask == spans
+    logprobs = [e.logprob for _, c in completions for e in c.choices[0].logprobs.content]
+    assert [lp for lp, m in zip(sample.rollout_logprobs, sample.loss_mask) if m] == logprobs
+    assert all(lp == 0.0 for lp, m in zip(sample.rollout_logprobs, sample.loss_mask) if not m)
+    assert sample.weight_versions == ["0", "0", "0"]
+    assert [e.token for e in completions[0][1].choices[0].logprobs.content] == [
+        tokenizer.decode([t]) for t in extras(completions[0][1])[1]]
+    # The append-only check: counted exactly when re-tokenizing the whole rendering disagrees.
+    final_messages = completions[-1][0]
+    retokenized = tokenizer.encode(tokenizer.apply_chat_template(final_messages, tools=TOOLS,
+                                                                 add_generation_prompt=True))
+    assert (body["metadata"]["num_mismatches"] > 0) == (retokenized != last_prompt)
+    assert stats["num_turns"] == 3 and stats["num_sessions"] == 1
+    assert stats["cached_tokens"] > 0 and 0 < stats["prefix_cache_hit_rate"] < 1
+
+
+def test_a_rewritten_history_branches_and_each_leaf_is_a_sample(model_dir):
+    async def turn(client, messages):
+        completion = await client.chat.completions.create(model="tiny", messages=messages, **GREEDY)
+        return completion, messages + [reply_message(completion)]
+
+    async def scenario():
+        async with served(model_dir) as (server, _):
+            client = client_for(server, "b")
+            first, history = await turn(client, [{"role": "user", "content": "Name a prime number."}])
+            second, _ = await turn(client, history + [{"role": "user", "content": "Another one."}])
+            _, rewritten_history = await turn(client, [{"role": "user", "content": "Name an even number."}])
+            await turn(client, rewritten_history + [{"role": "user", "content": "A larger one."}])
+            before_branch = len(server.samples("b"))
+            middle, _ = await turn(client, history + [{"role": "user", "content": "Why?"}])
+            return first, second, middle, before_branch, server.samples("b")
+
+    first, second, middle, before_branch, samples = run(scenario())
+    assert before_branch == 2
+    assert [s.num_turns for s in samples] == [2, 2, 2]
+    linear, rewritten, branch = samples
+    shared = extras(first)[0] + extras(first)[1]
+    assert linear.tokens[:len(shared)] == shared == branch.tokens[:len(shared)]
+    assert linear.tokens == joined(extras(second)) and branch.tokens == joined(extras(middle))
+    assert rewritten.tokens[:len(shared)] != shared
+    for sample in samples:
+        assert len(sample.tokens) == len(sample.loss_mask) == len(sample.rollout_logprobs)
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(model_dir):
+    async def scenario():
+        async with served(model_dir) as (server, _):
+            url = f"{server.url}/sessions/e/v1/chat/completions"
+            user = [{"role": "user", "content": "hi"}]
+            replies = [await http_json("POST", url, data=b"{not json")]
+            for body in ({"messages": user, "n": 2}, {"messages": []}, {"messages": [{"role": "robot", "content": "x"}]},
+                         {"messages": user, "top_logprobs": 3, "logprobs": True},
+                         {"messages": user, "tool_choice": "required", "tools": TOOLS},
+                         {"messages": user, "temperature": "hot"}, {"messages": user, "max_tokens": 0},
+                         {"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "late"}]}):
+                replies.append(await http_json("POST", url, json=body))
+            replies.append(await http_json("GET", f"{server.url}/sessions/nobody/samples"))
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client_for(server, "e").chat.completions.create(model="tiny", messages=user, n=2)
+            ok = await client_for(server, "e").chat.completions.create(model="tiny", messages=user, **GREEDY)
+            return replies, refused.value, ok
+
+    replies, refused, ok = run(scenario())
+    statuses = [status for status, _ in replies]
+    assert statuses == [400] * 9 + [404]
+    for _, body in replies:
+        assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
+    messages = [body["error"]["message"] for _, body in replies]
+    assert "not valid JSON" in messages[0] and "n=2" in messages[1] and "non-empty" in messages[2]
+    assert "robot" in messages[3] and "top_logprobs" in messages[4] and "tool_choice" in messages[5]
+    assert "temperature" in messages[6] and "max_tokens" in messages[7] and "system" in messages[8]
+    assert replies[1][1]["error"]["param"] == "n" and replies[9][1]["error"]["type"] == "not_found_error"
+    assert refused.status_code == 400 and "n=2" in refused.message
+    assert ok.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_streaming_returns_the_same_turn_as_a_plain_request(model_dir):
+    messages = [SYSTEM, {"role": "user", "content": "Count from one to ten."}]
+
+    async def scenario():
+        async with served(model_dir) as (server, _):
+            plain = await client_for(server, "plain").chat.completions.create(
+                model="tiny", messages=messages, temperature=0.0, max_tokens=24)
+            stream = await client_for(server, "streamed").chat.completions.create(
+                model="tiny", messages=messages, temperature=0.0, max_tokens=24, stream=True,
+                stream_options={"include_usage": True})
+            chunks = [chunk async for chunk in stream]
+            header = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
+                                 default_headers={"X-Session-Id": "by-header"})
+            await header.chat.completions.create(model="tiny", messages=messages, temperature=0.0, max_tokens=4)
+            return plain, chunks, server.samples("plain"), server.samples("streamed"), set(server.sessions)
+
+    plain, chunks, plain_samples, streamed_samples, sessions = run(scenario())
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert content == plain.choices[0].message.content
+    assert finishes == [plain.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert streamed_samples[0].tokens == plain_samples[0].tokens
+    assert "by-header" in sessions
+
+
+def test_two_engines_keep_each_session_on_its_engine(model_dir):
+    async def scenario():
+        async with served(model_dir, num_engines=2) as (server, urls):
+            histories = {"a": [SYSTEM, {"role": "user", "content": "Tell me a story."}],
+                         "b": [SYSTEM, {"role": "user", "content": "Sort the list 3, 1, 2."}]}
+            for turn in range(3):
+                completions = await asyncio.gather(*(client_for(server, sid).chat.completions.create(
+                    model="tiny", messages=histories[sid], **GREEDY) for sid in sorted(histories)))
+                for sid, completion in zip(sorted(histories), completions):
+                    histories[sid] += [reply_message(completion), {"role": "user", "content": f"And {turn}?"}]
+            engine_prompts = []
+            for url in urls:
+                async with EngineClient(url, timeout_s=TIMEOUT_S) as engine:
+                    engine_prompts.append((await engine.server_info())["internal_states"][0]["num_prompt_tokens"])
+            return {sid: s.stats() for sid, s in server.sessions.items()}, server.stats(), engine_prompts
+
+    sessions, stats, engine_prompts = run(scenario())
+    assert sorted(s["engine_index"] for s in sessions.values()) == [0, 1]
+    assert [e["num_requests"] for e in stats["engines"]] == [3, 3]
+    assert [e["num_sessions"] for e in stats["engines"]] == [1, 1]
+    by_engine = {s["engine_index"]: s["prompt_tokens"] for s in sessions.values()}
+    assert engine_prompts == [by_engine[0], by_engine[1]]  # each engine saw exactly its session's turns
+    assert all(s["cached_tokens"] > 0 for s in sessions.values())  # later turns hit the prefix cache
+
+
+# ----- TitoTokenizer with chosen sampled ids -----
+
+
+def turn_one(tito: TitoTokenizer, output_ids: list[int]) -> tuple[list[dict], Checkpoint]:
+    messages = [SYSTEM, {"role": "user", "content": "Say hello."}]
+    request = parse_chat_request({"messages": messages}, "tiny")
+    prompt = tito.prompt(request, None)
+    reply = {"role": "assistant", "content": "Hello there."}
+    key = parse_chat_request({"messages": [reply]}, "tiny").keys[0]
+    checkpoint = tito.checkpoint(request, prompt, key, output_ids, [-0.5] * len(output_ids), ["0"], "stop")
+    return messages + [reply, {"role": "user", "content": "Again."}], checkpoint
+
+
+@pytest.mark.parametrize("sampled, mismatch, template_mismatch", [
+    ("canonical", False, False),      # the ids the tokenizer itself gives, then <|im_end|>
+    ("no_eos", False, False),         # cut by max_tokens: the template's close is added, unmasked
+    ("split", True, False),           # same text, other ids: kept as sampled, and counted
+    ("stop_string", True, True),      # text the template does not write for the reply: counted too
+])
+def test_tito_reuses_sampled_ids_and_counts_disagreements(tokenizer, sampled, mismatch, template_mismatch):
+    tito = TitoTokenizer(tokenizer)
+    im_end = tokenizer.eos_token_id
+    output_ids = {
+        "canonical": tokenizer.encode("Hello there.") + [im_end],
+        "no_eos": tokenizer.encode("Hello there."),
+        "split": [i for ch in "Hello there." for i in tokenizer.encode(ch)] + [im_end],
+        "stop_string": tokenizer.encode("Hello there. STOP"),
+    }[sampled]
+    assert sampled != "split" or output_ids != tokenizer.encode("Hello there.") + [im_end]
+    messages, checkpoint = turn_one(tito, output_ids)
+    request = parse_chat_request({"messages": messages}, "tiny")
+    assert tito.deepest_checkpoint(Session("s", 0, checkpoints=[checkpoint]), request) is checkpoint
+    prompt = tito.prompt(request, checkpoint)
+    full_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    assert prompt.input_ids[:len(checkpoint.tokens)] == checkpoint.tokens  # sampled ids reused as they are
+    assert (prompt.mismatch, prompt.template_mismatch) == (mismatch, template_mismatch)
+    assert (prompt.input_ids == full_ids) == (not mismatch)
+    suffix_text = tokenizer.decode(prompt.input_ids[len(checkpoint.tokens):])
+    assert suffix_text.endswith("<|im_start|>user\nAgain.<|im_end|>\n<|im_start|>assistant\n")
+    assert suffix_text.startswith("<|im_end|>\n" if im_end not in output_ids else "\n")
+    after = tito.checkpoint(request, prompt, "k", [7, 8], [-1.0, -2.0], ["1"], "length")
+    assert after.loss_mask == checkpoint.loss_mask + [0] * (len(prompt.input_ids) - len(checkpoint.tokens)) + [1, 1]
+    assert after.num_mismatches == int(mismatch) and after.weight_versions == ["0", "1"]
