@@ -507,10 +507,11 @@ class LocalSandbox:
             reason = await self._watch(done, over_cap, started + timeout_s)
             timed_out = reason == "timeout"
             num_live = len(self._live_pids(proc.pid))
-            if reason == "timeout" and (
+            if reason in ("timeout", "output") and (
                 num_live >= self.limits.max_processes or _classify(1, err.text(), False) == "processes"
             ):
-                reason = "processes"  # it timed out because it filled the process table
+                # it timed out, or flooded its output with fork failures, because it filled the process table
+                reason = "processes"
             await self._kill_all(proc.pid)
             await asyncio.wait({done}, timeout=_KILL_GRACE_S)
         except BaseException:
