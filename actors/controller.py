@@ -50,7 +50,7 @@ import msgspec
 from miles_async.actors.buffer import Batch, Buffer, BufferStats, GetBatch
 from miles_async.actors.engine import EngineActor, EngineStatus
 from miles_async.actors.recipe import RunConfig, dump_recipe
-from miles_async.actors.rollout import RewardInput, RolloutWorker, SampleOut, load_reward
+from miles_async.actors.rollout import RewardInput, RolloutWorker, SampleOut, load_object, load_reward
 from miles_async.actors.scheduler import (
     AddEngine,
     GetSchedulerState,
@@ -60,11 +60,13 @@ from miles_async.actors.scheduler import (
 )
 from miles_async.actors.trainer import ExportWeights, LoadCheckpoint, SaveCheckpoint, TrainerGroup, TrainStep
 from miles_async.actors.weights import PushWeights, WeightPusher, WeightSyncConfig
+from miles_async.agents.session import SessionServer
 from miles_async.engine.client import EngineClient
 from miles_async.models import init_model, load_tokenizer
 from miles_async.observe import EvalTrace, MetricsLog, Progress, SampleTrace, StepTrace, TraceLog, UpdateTrace
 from miles_async.policies.refill import RefillConfig
 from miles_async.runtime import ActorRef, ActorSystem, RuntimeConfig
+from miles_async.tasks import calculator
 from miles_async.tasks.reverse import Prompt, is_correct, prompts, sft_examples
 from miles_async.trainer import checkpoint
 from miles_async.trainer.config import TrainerConfig
@@ -146,10 +148,17 @@ class Controller:
                 init_model(cfg.model.family, cfg.model.preset, self.model_dir, seed=cfg.model.seed)
         self.family = json.loads((self.model_dir / "config.json").read_text()).get("model_type", cfg.model.family)
         self.tokenizer = load_tokenizer(self.model_dir)
-        task = cfg.task.reverse
-        self.dataset = prompts(task, cfg.task.num_prompts, self.tokenizer, split="train")
         num_probe = max(cfg.sft.num_probe, cfg.eval.num_prompts)
-        self.probe = prompts(task, num_probe, self.tokenizer, split="probe")
+        self.agentic = bool(cfg.agent.agent)
+        if self.agentic:  # multi-turn: tasks for an agent, driven through the TITO session server
+            self.dataset = calculator.problems(cfg.task.calculator, cfg.task.num_prompts, "train")
+            self.probe = calculator.problems(cfg.task.calculator, num_probe, "probe")
+        else:
+            self.dataset = prompts(cfg.task.reverse, cfg.task.num_prompts, self.tokenizer, split="train")
+            self.probe = prompts(cfg.task.reverse, num_probe, self.tokenizer, split="probe")
+        self.sessions: SessionServer | None = None
+        self.prompt_tokens_sent = 0
+        self.cached_tokens = 0
         self.reward_fn = load_reward(cfg.task.reward)
         self.metrics = MetricsLog(self.run_dir)
         self.trace = TraceLog(self.run_dir)
@@ -195,8 +204,13 @@ class Controller:
         cfg = self.config
         r, loop = cfg.rollout, cfg.loop
         workers = [f"rollout-{i}" for i in range(r.num_workers)]
+        agent_kwargs: dict[str, Any] = {}
+        if self.agentic:
+            assert self.sessions is not None
+            agent_kwargs = {"agent": cfg.agent.agent, "environment": cfg.agent.environment,
+                            "session_url": self.sessions.url, "sandbox": cfg.agent.sandbox}
         for name in workers:
-            await system.spawn(RolloutWorker, name, args=(cfg.task.reward,))
+            await system.spawn(RolloutWorker, name, args=(cfg.task.reward,), kwargs=agent_kwargs)
         buffer_cfg = msgspec.structs.replace(cfg.buffer, max_staleness=loop.staleness)
         refill = RefillConfig(target_in_flight=r.target_in_flight, group_size=r.group_size,
                               batch_groups=loop.batch_groups, max_staleness=loop.staleness,
@@ -214,6 +228,8 @@ class Controller:
     def _trace_sample(self, sample: SampleOut, counted: bool) -> None:
         if counted and not sample.aborted:
             self.rollout_rewards.append(sample.reward)
+        self.prompt_tokens_sent += sample.prompt_tokens_sent
+        self.cached_tokens += sample.cached_tokens
         self.trace.write(SampleTrace(
             prompt_id=sample.prompt_index, index=sample.index, attempt=sample.attempt, engine=sample.engine,
             submit_s=sample.submit_s - self.start_time, end_s=sample.end_s - self.start_time,
@@ -261,21 +277,25 @@ class Controller:
         if cfg.max_steps <= 0:
             return 0, None
         assert self.trainer is not None
-        examples = sft_examples(self.dataset, self.tokenizer)
+        if self.agentic:
+            examples = [TrainSample(tokens=t, loss_mask=m, rollout_logprobs=[0.0] * len(t)) for t, m in
+                        calculator.sft_examples(self.dataset[:cfg.max_steps * cfg.batch_size], self.tokenizer)]
+        else:
+            examples = [TrainSample(tokens=e.tokens, loss_mask=e.loss_mask, rollout_logprobs=[0.0] * len(e.tokens))
+                        for e in sft_examples(self.dataset, self.tokenizer)]
         probe = self.probe[:cfg.num_probe]
         accuracy = None
         step = 0
         with Progress(cfg.max_steps, enabled=self.show_progress) as progress:
             for step in range(1, cfg.max_steps + 1):
                 start = (step - 1) * cfg.batch_size
-                batch = [examples[(start + i) % len(examples)] for i in range(cfg.batch_size)]
-                samples = [TrainSample(tokens=e.tokens, loss_mask=e.loss_mask, rollout_logprobs=[0.0] * len(e.tokens))
-                           for e in batch]
+                samples = [examples[(start + i) % len(examples)] for i in range(cfg.batch_size)]
                 metrics = await self.trainer.ask(TrainStep(samples=samples, objective="sft", lr=cfg.lr), ASK_S)
                 self.version = metrics.weight_version
                 if step % cfg.probe_every == 0 or step == cfg.max_steps:
                     await self._push()
-                    accuracy = await self._score(probe, temperature=1.0, exact=True)
+                    accuracy = (await self._score_agent(probe, temperature=1.0) if self.agentic
+                                else await self._score(probe, temperature=1.0, exact=True))
                     progress.update({"step": step, "reward_mean": accuracy, "wall_s": self._now()})
                     log.info("SFT step %d: loss %.3f, sampled probe accuracy %.3f", step, metrics.loss, accuracy)
                     if accuracy >= cfg.target_accuracy or self.stop.is_set():
@@ -303,6 +323,24 @@ class Controller:
                             prompt=prompt, output_text=o["text"], output_ids=o["output_ids"], finish_reason=finish))))
         return statistics.fmean(scores) if scores else 0.0
 
+    async def _score_agent(self, items: list[Any], *, temperature: float) -> float:
+        """Mean reward of one episode per task, through the session server (sessions closed after)."""
+        from miles_async.agents.api import run_episode
+
+        cfg = self.config
+        assert self.sessions is not None
+        agent = load_object(cfg.agent.agent, "agent")
+        environment = load_object(cfg.agent.environment, "environment")()
+        sampling = {"temperature": temperature, "max_tokens": cfg.rollout.sampling.max_new_tokens}
+        self._probe_round = getattr(self, "_probe_round", 0) + 1
+        ids = [f"probe{self._probe_round}-{i}" for i in range(len(items))]
+        episodes = await asyncio.gather(*(run_episode(agent, environment, item, f"{self.sessions.url}/sessions/{sid}/v1",
+                                                      sampling=sampling) for item, sid in zip(items, ids)))
+        for sid in ids:
+            if sid in self.sessions.sessions:
+                self.sessions.close_session(sid)
+        return statistics.fmean(e.reward or 0.0 for e in episodes) if episodes else 0.0
+
     # ----- evaluation -----
 
     async def _evaluate(self) -> float:
@@ -315,11 +353,14 @@ class Controller:
             assert self.scheduler is not None
             await self.scheduler.ask(HoldRollouts(hold=True), timeout_s=ASK_S)
             try:
-                score = await self._score(items, temperature=cfg.temperature)
+                score = (await self._score_agent(items, temperature=cfg.temperature) if self.agentic
+                         else await self._score(items, temperature=cfg.temperature))
             finally:
                 await self.scheduler.ask(HoldRollouts(hold=False), timeout_s=ASK_S)
         elif cfg.mode == "dedicated":
             await self._push(self.eval_pusher)
+            if self.agentic:
+                raise ValueError('eval.mode = "dedicated" is not wired for agents yet: use "shared" or "command"')
             score = await self._score(items, temperature=cfg.temperature, url=self.engine_urls["eval-engine"])
         else:
             score = await self._run_eval_command()
@@ -419,6 +460,8 @@ class Controller:
                     "loss": metrics.loss, "grad_norm": metrics.grad_norm, "entropy": metrics.entropy}
                 if eval_score is not None:
                     row["eval_score"] = eval_score
+                if self.agentic:  # multi-turn: how much of every turn's prompt the engines' prefix caches held
+                    row["prefix_cache_hit_rate"] = self.cached_tokens / max(self.prompt_tokens_sent, 1)
                 self.metrics.log(row)
                 self.trace.write(StepTrace(
                     step=step, weight_version=self.version, start_s=step_start, end_s=self._now(),
@@ -469,6 +512,9 @@ class Controller:
             async with ActorSystem("controller", config=self.runtime) as system:
                 self.system = system
                 await self._spawn(system)
+                if self.agentic:  # the TITO session server, in this process, routing sessions to the engines
+                    self.sessions = SessionServer([self.engine_urls[e.name] for e in self.engines], str(self.model_dir))
+                    await self.sessions.start()
                 first_step, first_prompt, sft_steps, sft_acc = await self._resume_or_warm_start()
                 await self._spawn_rollout(system, first_prompt)
                 monitor = asyncio.ensure_future(self._watch_engines())
@@ -479,6 +525,8 @@ class Controller:
                 interrupted = self.stop.is_set()
                 await self._checkpoint()
                 await self._stop_all(system)
+                if self.sessions is not None:
+                    await self.sessions.stop()
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(NotImplementedError, RuntimeError):

@@ -2,6 +2,7 @@
 
     [model]    where the weights come from (a folder, or a fresh `init_model`)
     [task]     the prompts and the reward function (a dotted path)
+    [agent]    multi-turn: the agent coroutine and its environment (dotted paths), sandboxes
     [sft]      the warm start before RL (stops when sampled probe accuracy reaches a target)
     [rollout]  engines, rollout workers, sampling, group size, requests in flight, partial rollouts
     [buffer]   capacity, what becomes of stale / aborted groups, the filter
@@ -29,6 +30,7 @@ from miles_async.actors.rollout import SamplingConfig
 from miles_async.engine.core import EngineConfig
 from miles_async.policies.buffer import BufferConfig
 from miles_async.rl import AdvantageConfig, PolicyLossConfig
+from miles_async.tasks.calculator import CalculatorTaskConfig
 from miles_async.tasks.reverse import ReverseTaskConfig
 
 MODES = {"sync": 0, "one_step_off": 1}
@@ -42,9 +44,20 @@ class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class TaskSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: Literal["reverse", "calculator"] = "reverse"  # calculator is multi-turn: it needs [agent]
     reverse: ReverseTaskConfig = ReverseTaskConfig()
+    calculator: CalculatorTaskConfig = CalculatorTaskConfig()
     num_prompts: int = 20000  # the training set (positions cycle when the run outlasts it)
     reward: str = "miles_async.tasks.reverse:reward"
+
+
+class AgentSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Multi-turn rollouts: each sample is an episode of `agent` in `environment` (dotted paths),
+    talking to the policy through the run's TITO session server."""
+
+    agent: str = ""  # "" = single-turn generation
+    environment: str = ""
+    sandbox: bool = True  # a LocalSandbox per episode for the environment's tools
 
 
 class SFTSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -116,6 +129,7 @@ class EvalSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: ModelSection = ModelSection()
     task: TaskSection = TaskSection()
+    agent: AgentSection = AgentSection()
     sft: SFTSection = SFTSection()
     rollout: RolloutSection = RolloutSection()
     buffer: BufferConfig = BufferConfig()
@@ -133,6 +147,11 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         if self.buffer.capacity_groups < self.loop.batch_groups:
             raise ValueError(f"buffer.capacity_groups ({self.buffer.capacity_groups}) must hold a batch "
                              f"(loop.batch_groups = {self.loop.batch_groups})")
+        if (self.task.name == "calculator") != bool(self.agent.agent):
+            raise ValueError("task.name = \"calculator\" is multi-turn: it goes with [agent] agent and environment "
+                             "(e.g. miles_async.tasks.calculator:agent and :CalculatorEnv), and only it does")
+        if self.agent.agent and not self.agent.environment:
+            raise ValueError("[agent] agent needs [agent] environment (a dotted path)")
         if self.eval.mode == "command" and not self.eval.command:
             raise ValueError('eval.mode = "command" needs eval.command (with {checkpoint} where the folder goes)')
 

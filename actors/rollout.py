@@ -28,6 +28,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
+import aiohttp
 import msgspec
 
 from miles_async.actors.engine import Generate
@@ -89,6 +90,8 @@ class SampleOut(msgspec.Struct, frozen=True, kw_only=True):
     tokens: list[int] = []
     loss_mask: list[int] = []
     token_logprobs: list[float] = []
+    prompt_tokens_sent: int = 0  # multi-turn: prompt tokens of every turn, and how many the prefix cache held
+    cached_tokens: int = 0
 
     @property
     def aborted(self) -> bool:
@@ -103,25 +106,33 @@ class Rollout(Message):
     engine: str
     engine_url: str
     engine_version: int  # the engine's weight version when the scheduler sent this
-    prompt: Prompt
     sampling: SamplingConfig
+    prompt: Prompt | None = None  # a single-turn prompt, or:
+    task: Any = None  # an agent's task (the environment's own struct; plain data on the wire)
     seed: int | None = None
     engine_actor: str = ""  # an EngineActor's name: ask it directly instead of over HTTP
     Reply: ClassVar[Any] = SampleOut
 
 
-def load_reward(path: str) -> RewardFn:
-    """`package.module:function` -> the async reward function; ValueError naming what is wrong."""
+def load_object(path: str, what: str) -> Any:
+    """`package.module:name` -> the object; ValueError naming what is wrong."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"reward {path!r} must look like 'package.module:function'")
+        raise ValueError(f"{what} {path!r} must look like 'package.module:name'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"reward {path!r}: cannot import {module_name!r} ({e})") from e
-    fn = getattr(module, attr, None)
-    if fn is None or not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"reward {path!r}: {attr!r} must be an `async def {attr}(sample) -> float` in {module_name}")
+        raise ValueError(f"{what} {path!r}: cannot import {module_name!r} ({e})") from e
+    if not hasattr(module, attr):
+        raise ValueError(f"{what} {path!r}: {module_name} has no {attr!r}")
+    return getattr(module, attr)
+
+
+def load_reward(path: str) -> RewardFn:
+    """`package.module:function` -> the async reward function; ValueError naming what is wrong."""
+    fn = load_object(path, "reward")
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"reward {path!r} must be an `async def (sample) -> float`")
     return fn
 
 
@@ -134,15 +145,27 @@ class RolloutWorker(Actor):
 
     mailbox_capacity: ClassVar[int] = 4096
 
-    def __init__(self, reward: str, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, reward: str, *, timeout_s: float = 600.0, agent: str = "", environment: str = "",
+                 session_url: str = "", sandbox: bool = False) -> None:
         self.reward_fn = load_reward(reward)
         self.timeout_s = timeout_s
+        # Agent mode: each sample is an episode of `agent` in `environment`, talking to the policy
+        # through a session of the TITO server at `session_url`.
+        self.agent = load_object(agent, "agent") if agent else None
+        self.environment_cls = load_object(environment, "environment") if environment else None
+        self.session_url = session_url.rstrip("/")
+        self.sandbox = sandbox
+        self.agent_http: aiohttp.ClientSession | None = None
+        if self.agent is not None and (self.environment_cls is None or not self.session_url):
+            raise ValueError("an agent needs an environment and a session server URL")
         self.clients: dict[str, EngineClient] = {}
         self.engine_refs: dict[str, ActorRef] = {}
 
     async def on_stop(self) -> None:
         for client in self.clients.values():
             await client.close()
+        if self.agent_http is not None:
+            await self.agent_http.close()
 
     async def on_failure(self, failure: Any) -> None:
         await self.on_stop()
@@ -166,6 +189,7 @@ class RolloutWorker(Actor):
             params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                     top_k=s.top_k, sampling_seed=msg.seed)
             ref = await self._engine_ref(msg.engine_actor)
+            assert msg.prompt is not None
             reply = await ref.ask(Generate(request=GenerateRequest(input_ids=msg.prompt.input_ids, sampling_params=params,
                                                                    return_logprob=True)), timeout_s=self.timeout_s)
             final = _version(reply.weight_version, msg.engine_version)
@@ -176,6 +200,7 @@ class RolloutWorker(Actor):
                                        "top_p": s.top_p, "top_k": s.top_k}
         if msg.seed is not None:
             params_json["sampling_seed"] = msg.seed
+        assert msg.prompt is not None
         out = await self._client(msg.engine_url).generate(input_ids=msg.prompt.input_ids, sampling_params=params_json,
                                                           return_logprob=True)
         meta = out["meta_info"]
@@ -186,12 +211,59 @@ class RolloutWorker(Actor):
         return ((meta.get("finish_reason") or {}).get("type", "abort"), list(out.get("output_ids") or []),
                 [float(entry[0]) for entry in meta.get("output_token_logprobs") or []], out.get("text", ""), versions)
 
+    async def _episode(self, msg: Rollout) -> SampleOut:
+        """One agent episode in its own session (and sandbox); its trajectory is the sample."""
+        from miles_async.agents.api import run_episode
+        from miles_async.agents.sandbox import LocalSandbox
+
+        submit_s = time.time()
+        session_id = f"p{msg.prompt_index}-i{msg.index}-a{msg.attempt}-r{msg.request_id}"
+        sandbox = LocalSandbox() if self.sandbox else None
+        environment = self.environment_cls(sandbox=sandbox) if sandbox is not None else self.environment_cls()
+        s = msg.sampling
+        sampling = {"temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_new_tokens}
+        if self.agent_http is None:
+            self.agent_http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        http = self.agent_http
+        try:
+            episode = await run_episode(self.agent, environment, msg.task, f"{self.session_url}/sessions/{session_id}/v1",
+                                        sampling=sampling, http=http)
+            async with http.get(f"{self.session_url}/sessions/{session_id}/samples") as response:
+                body = await response.json(content_type=None) if response.status == 200 else None
+            async with http.delete(f"{self.session_url}/sessions/{session_id}"):
+                pass
+        finally:
+            if sandbox is not None:
+                await sandbox.close()
+        fields: dict[str, Any] = {"request_id": msg.request_id, "prompt_index": msg.prompt_index, "index": msg.index,
+                                  "attempt": msg.attempt, "engine": msg.engine, "submit_s": submit_s,
+                                  "end_s": time.time(), "reward": episode.reward or 0.0, "error": episode.error,
+                                  "output_text": episode.answer or ""}
+        samples = (body or {}).get("samples") or []
+        if episode.error or not samples:
+            return SampleOut(**fields, prompt_ids=[], output_ids=[], output_logprobs=[], versions=[msg.engine_version],
+                             finish_reason="error" if episode.error or not samples else "abort")
+        sample = samples[-1]  # the latest branch: the trajectory the agent finished on
+        meta = body.get("metadata") or {}
+        mask = sample["loss_mask"]
+        versions = sorted({_version(str(v), msg.engine_version) for v in sample["weight_versions"]}
+                          or {msg.engine_version})
+        finish = sample.get("finish_reason") or "stop"
+        return SampleOut(**fields, prompt_ids=[t for t, m in zip(sample["tokens"], mask) if not m],
+                         output_ids=[t for t, m in zip(sample["tokens"], mask) if m], output_logprobs=[],
+                         finish_reason="abort" if finish == "abort" else finish, versions=versions,
+                         tokens=sample["tokens"], loss_mask=mask, token_logprobs=sample["rollout_logprobs"],
+                         prompt_tokens_sent=int(meta.get("prompt_tokens", 0)),
+                         cached_tokens=int(meta.get("cached_tokens", 0)))
+
     @handler(concurrent=True)
     async def rollout(self, msg: Rollout) -> SampleOut:
+        if self.agent is not None:
+            return await self._episode(msg)
         submit_s = time.time()
         fields: dict[str, Any] = {
             "request_id": msg.request_id, "prompt_index": msg.prompt_index, "index": msg.index,
-            "attempt": msg.attempt, "engine": msg.engine, "prompt_ids": list(msg.prompt.input_ids),
+            "attempt": msg.attempt, "engine": msg.engine, "prompt_ids": list(msg.prompt.input_ids if msg.prompt else []),
             "submit_s": submit_s}
         try:
             finish, output_ids, logprobs, text, versions = await self._generate(msg)

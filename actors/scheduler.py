@@ -94,7 +94,7 @@ class RefillScheduler(Actor):
 
     mailbox_capacity: ClassVar[int] = 4096
 
-    def __init__(self, config: RefillConfig, dataset: list[Prompt], sampling: SamplingConfig, *,
+    def __init__(self, config: RefillConfig, dataset: list[Any], sampling: SamplingConfig, *,
                  workers: list[str], buffer: str, seed: int | None = None, trainer_version: int = 0, first_prompt: int = 0,
                  on_sample: Callable[[SampleOut, bool], None] | None = None, clock: Clock | None = None,
                  timeout_s: float = 3600.0) -> None:
@@ -202,11 +202,12 @@ class RefillScheduler(Actor):
             url, version = self.engines[submit.engine]
             worker = self.workers[self._next_worker % len(self.workers)]
             self._next_worker += 1
-            prompt = self.dataset[submit.prompt_id % len(self.dataset)]
+            item = self.dataset[submit.prompt_id % len(self.dataset)]
+            prompt, task = (item, None) if isinstance(item, Prompt) else (None, item)
             msg = Rollout(request_id=submit.request_id, prompt_index=submit.prompt_id, index=submit.index,
                           attempt=submit.attempt, engine=submit.engine, engine_url=url, engine_version=version,
                           engine_actor=self.engine_actors.get(submit.engine, ""),
-                          prompt=prompt, sampling=self.sampling,
+                          prompt=prompt, task=task, sampling=self.sampling,
                           seed=None if self.seed is None else sample_seed(self.seed, submit.prompt_id, submit.index,
                                                                          submit.attempt))
             self._mark_busy(submit.engine, True)
@@ -224,7 +225,8 @@ class RefillScheduler(Actor):
                 log.error("rollout worker %s died (%s); the others take its share", worker.name, e)
                 self.workers.remove(worker)
             sample = SampleOut(request_id=msg.request_id, prompt_index=msg.prompt_index, index=msg.index,
-                               attempt=msg.attempt, engine=msg.engine, prompt_ids=list(msg.prompt.input_ids),
+                               attempt=msg.attempt, engine=msg.engine,
+                               prompt_ids=list(msg.prompt.input_ids) if msg.prompt else [],
                                output_ids=[], output_logprobs=[], output_text="", finish_reason="error",
                                versions=[msg.engine_version], reward=0.0, submit_s=time.time(), end_s=time.time(),
                                error=f"{type(e).__name__}: {e}")

@@ -534,7 +534,7 @@ class SessionServer:
         calls = parsed.tool_calls if parsed is not None else []
         content = parsed.content if parsed is not None else turn.text
         for error in parsed.errors if parsed is not None else ():
-            log.warning("session %s: malformed %s", session_id, error)
+            log.info("session %s: malformed %s", session_id, error)  # counted in stats; a learning policy writes many
         finish = ("length" if turn.engine_finish in ("length", "abort") else "tool_calls" if calls else "stop")
         reply = {"role": "assistant", "content": content,
                  **({"tool_calls": [msgspec.to_builtins(c) for c in calls]} if calls else {})}

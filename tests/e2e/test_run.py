@@ -184,3 +184,21 @@ def test_abort_and_retry_across_weight_updates(tmp_path):
     assert aborted, "weight updates in abort mode should abort in-flight samples"
     assert all(len(s.versions) == 1 for s in samples if s.finish_reason != "abort")  # never spans an update
     assert any(s.attempt > 0 for s in samples)  # aborted groups were generated again
+
+
+@pytest.mark.timeout(300)
+def test_the_multi_turn_recipe_trains_agent_episodes_through_the_session_server(tmp_path):
+    recipe = RECIPE.parent / "calculator.toml"
+    config = load_recipe(recipe, ["sft.max_steps=10", "sft.probe_every=10", "sft.num_probe=4", "loop.num_steps=3",
+                                  "loop.batch_groups=2", "rollout.group_size=2", "rollout.target_in_flight=8",
+                                  "buffer.filter=none", "eval.every=3", "eval.num_prompts=4",
+                                  "task.num_prompts=200"])
+    result = run_async(Controller(config, tmp_path, progress=False).run())
+    assert result.num_steps == 3 and len(result.eval_scores) == 1
+    metrics = rows(tmp_path)
+    # Every sample is a whole conversation (the tools' system prompt alone is hundreds of tokens),
+    # and every turn after a session's first reuses its prefix from the engine's cache.
+    assert all(r["num_tokens"] / r["num_samples"] > 300 for r in metrics)
+    assert metrics[-1]["prefix_cache_hit_rate"] > 0.5
+    samples = [r for r in decode_trace(tmp_path / "trace.jsonl") if isinstance(r, SampleTrace)]
+    assert samples and all(s.output_tokens > 0 for s in samples if s.finish_reason != "error")
