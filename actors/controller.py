@@ -74,6 +74,7 @@ from miles_async.trainer.packing import TrainSample
 
 log = logging.getLogger("miles_async.actors.controller")
 ASK_S = 600.0
+WAIT_REPORT_S = 30.0  # a step waiting this long for data says what the buffer holds and dropped
 
 
 class RunResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -277,19 +278,14 @@ class Controller:
         if cfg.max_steps <= 0:
             return 0, None
         assert self.trainer is not None
-        if self.agentic:
-            examples = [TrainSample(tokens=t, loss_mask=m, rollout_logprobs=[0.0] * len(t)) for t, m in
-                        calculator.sft_examples(self.dataset[:cfg.max_steps * cfg.batch_size], self.tokenizer)]
-        else:
-            examples = [TrainSample(tokens=e.tokens, loss_mask=e.loss_mask, rollout_logprobs=[0.0] * len(e.tokens))
-                        for e in sft_examples(self.dataset, self.tokenizer)]
         probe = self.probe[:cfg.num_probe]
         accuracy = None
         step = 0
         with Progress(cfg.max_steps, enabled=self.show_progress) as progress:
             for step in range(1, cfg.max_steps + 1):
                 start = (step - 1) * cfg.batch_size
-                samples = [examples[(start + i) % len(examples)] for i in range(cfg.batch_size)]
+                items = [self.dataset[(start + i) % len(self.dataset)] for i in range(cfg.batch_size)]
+                samples = await asyncio.to_thread(self._sft_batch, items)  # rendering is work: off the loop
                 metrics = await self.trainer.ask(TrainStep(samples=samples, objective="sft", lr=cfg.lr), ASK_S)
                 self.version = metrics.weight_version
                 if step % cfg.probe_every == 0 or step == cfg.max_steps:
@@ -301,6 +297,15 @@ class Controller:
                     if accuracy >= cfg.target_accuracy or self.stop.is_set():
                         break
         return step, accuracy
+
+    def _sft_batch(self, items: list[Any]) -> list[TrainSample]:
+        """The warm start's examples for these items: the answer (an agent: the ideal conversation's
+        assistant turns) under the loss mask."""
+        if self.agentic:
+            pairs = calculator.sft_examples(items, self.tokenizer)
+        else:
+            pairs = [(e.tokens, e.loss_mask) for e in sft_examples(items, self.tokenizer)]
+        return [TrainSample(tokens=t, loss_mask=m, rollout_logprobs=[0.0] * len(t)) for t, m in pairs]
 
     async def _score(self, items: list[Prompt], *, temperature: float, exact: bool = False,
                      url: str | None = None) -> float:
@@ -482,7 +487,16 @@ class Controller:
                                                              trainer_version=self.version, timeout_s=ASK_S),
                                                     timeout_s=ASK_S + 10))
         stop = asyncio.ensure_future(self.stop.wait())
-        done, _ = await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
+        waited_s = 0.0
+        while not (done := (await asyncio.wait({get, stop}, timeout=WAIT_REPORT_S,
+                                                return_when=asyncio.FIRST_COMPLETED))[0]):
+            waited_s += WAIT_REPORT_S
+            stats = await self.buffer.ask(BufferStats(), timeout_s=ASK_S)
+            dropped = ", ".join(f"{n} {why}" for why, n in stats["dropped"].items() if n) or "none"
+            log.warning("step %d has waited %.0fs for a batch: %d groups waiting, dropped so far: %s%s", self.step,
+                        waited_s, stats["num_groups"], dropped,
+                        " (groups whose rewards are all equal are filtered: is the reward always the same?)"
+                        if stats["dropped"].get("filtered") else "")
         if get in done:
             stop.cancel()
             return get.result()
