@@ -227,7 +227,7 @@ class RolloutWorker(Actor):
         http = self.agent_http
         try:
             episode = await run_episode(self.agent, environment, msg.task, f"{self.session_url}/sessions/{session_id}/v1",
-                                        sampling=sampling, http=http)
+                                        sampling=sampling, sandbox=sandbox, http=http)
             async with http.get(f"{self.session_url}/sessions/{session_id}/samples") as response:
                 body = await response.json(content_type=None) if response.status == 200 else None
             async with http.delete(f"{self.session_url}/sessions/{session_id}"):

@@ -20,13 +20,14 @@ import json
 import aiohttp
 import openai
 import pytest
+import torch
 from openai import AsyncOpenAI
 
 from miles_async.agents.session import Checkpoint, Session, SessionServer, TitoTokenizer, parse_chat_request
 from miles_async.engine.client import EngineClient
 from miles_async.engine.core import Engine, EngineConfig
 from miles_async.engine.server import EngineServer
-from miles_async.models import init_model, load_tokenizer
+from miles_async.models import init_model, load_pretrained, load_tokenizer
 
 TIMEOUT_S = 30
 pytestmark = pytest.mark.timeout(TIMEOUT_S + 10)
@@ -313,3 +314,53 @@ def test_tito_reuses_sampled_ids_and_counts_disagreements(tokenizer, sampled, mi
     after = tito.checkpoint(request, prompt, "k", [7, 8], [-1.0, -2.0], ["1"], "length")
     assert after.loss_mask == checkpoint.loss_mask + [0] * (len(prompt.input_ids) - len(checkpoint.tokens)) + [1, 1]
     assert after.num_mismatches == int(mismatch) and after.weight_versions == ["0", "1"]
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tmp_path_factory):
+    """A tiny model taught (overfit on) one calculator conversation, so it emits a real tool call."""
+    from miles_async.models import save_pretrained
+    from miles_async.tasks.calculator import Problem, sft_examples
+
+    folder = init_model("qwen3", "tiny", tmp_path_factory.mktemp("tool"), seed=0)
+    model = load_pretrained(folder)
+    tokens, mask = sft_examples([Problem(problem_id=0, a=12, b=34)], load_tokenizer(folder))[0]
+    ids = torch.tensor([tokens])
+    targets = torch.tensor([t if m else -100 for t, m in zip(tokens[1:], mask[1:])])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        loss = torch.nn.functional.cross_entropy(model(ids)[0, :-1], targets, ignore_index=-100)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert float(loss.detach()) < 0.05, float(loss.detach())
+    save_pretrained(model, folder)
+    return folder
+
+
+def test_a_model_that_calls_a_tool_gets_openai_tool_calls_and_a_masked_trajectory(tool_model_dir):
+    from miles_async.tasks.calculator import TOOLS
+
+    async def main():
+        async with served(tool_model_dir) as (server, _):
+            client = client_for(server, "calc")
+            messages = [{"role": "user", "content": "m:12*34="}]
+            first = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0,
+                                                         max_tokens=40)
+            call = first.choices[0].message.tool_calls[0]
+            messages += [reply_message(first), {"role": "tool", "tool_call_id": call.id, "content": "408"}]
+            second = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0,
+                                                          max_tokens=40)
+            status, body = await http_json("GET", f"{server.url}/sessions/calc/samples")
+            return first, second, status, body
+
+    first, second, status, body = run(main())
+    assert first.choices[0].finish_reason == "tool_calls"
+    call = first.choices[0].message.tool_calls[0]
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == ("function", "multiply",
+                                                                                      {"a": 12, "b": 34})
+    assert second.choices[0].finish_reason == "stop" and second.choices[0].message.content == "408"
+    assert status == 200 and len(body["samples"]) == 1
+    sample = body["samples"][0]
+    generated = [t for t, m in zip(sample["tokens"], sample["loss_mask"]) if m]
+    assert generated == extras(first)[1] + extras(second)[1]  # exactly the sampled ids, both turns
