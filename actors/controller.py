@@ -95,11 +95,13 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
 def to_train_sample(sample: SampleOut, group: int) -> TrainSample:
     if sample.tokens:  # a multi-turn trajectory: its own mask (generated tokens only) and log-probs
         return TrainSample(tokens=sample.tokens, loss_mask=sample.loss_mask, rollout_logprobs=sample.token_logprobs,
-                           reward=sample.reward, weight_version=min(sample.versions), group=group)
+                           reward=sample.reward, weight_version=min(sample.versions), group=group,
+                           routed_experts=sample.routed_experts)
     tokens = sample.prompt_ids + sample.output_ids
     return TrainSample(tokens=tokens, loss_mask=[0] * len(sample.prompt_ids) + [1] * len(sample.output_ids),
                        rollout_logprobs=[0.0] * len(sample.prompt_ids) + sample.output_logprobs,
-                       reward=sample.reward, weight_version=min(sample.versions), group=group)
+                       reward=sample.reward, weight_version=min(sample.versions), group=group,
+                       routed_experts=sample.routed_experts)
 
 
 def _payload(record: Any) -> SampleOut:
@@ -147,7 +149,9 @@ class Controller:
             self.model_dir = self.run_dir / "model"
             if not (self.model_dir / "config.json").is_file():
                 init_model(cfg.model.family, cfg.model.preset, self.model_dir, seed=cfg.model.seed)
-        self.family = json.loads((self.model_dir / "config.json").read_text()).get("model_type", cfg.model.family)
+        model_config = json.loads((self.model_dir / "config.json").read_text())
+        self.family = model_config.get("model_type", cfg.model.family)
+        self.is_moe = int(model_config.get("num_experts") or 0) > 0  # the rollouts record routed experts (R3)
         self.tokenizer = load_tokenizer(self.model_dir)
         num_probe = max(cfg.sft.num_probe, cfg.eval.num_prompts)
         self.agentic = bool(cfg.agent.agent)
@@ -219,7 +223,8 @@ class Controller:
         self.scheduler = await system.spawn(
             RefillScheduler, "scheduler", args=(refill, self.dataset, r.sampling),
             kwargs={"workers": workers, "buffer": "buffer", "seed": loop.seed if r.seeded else None, "trainer_version": self.version,
-                    "first_prompt": first_prompt, "on_sample": self._trace_sample})
+                    "first_prompt": first_prompt, "on_sample": self._trace_sample,
+                    "routed_experts": self.is_moe})
         self.buffer = await system.spawn(Buffer, "buffer", args=(buffer_cfg, "scheduler"))
         for ref in self.engines:
             actor = ref.name if r.client == "actor" else ""

@@ -69,6 +69,7 @@ class GenerateReply(msgspec.Struct, frozen=True, kw_only=True):
     weight_version: str
     text: str = ""
     weight_versions: list[int] = []  # every version the tokens were sampled under
+    routed_experts: bytes = b""  # MoE, when asked: int32 little-endian [tokens - 1, MoE layers, top_k]
 
 
 # -- messages -------------------------------------------------------------------------------
@@ -161,6 +162,13 @@ class ConnectRdma(Message):
     Reply: ClassVar[Any] = RdmaTarget
 
 
+def _experts_bytes(experts_TLk: torch.Tensor | None) -> bytes:
+    """Routed experts as TrainSample carries them: int32 little-endian, C order."""
+    if experts_TLk is None:
+        return b""
+    return experts_TLk.to(torch.int32).contiguous().numpy().astype("<i4").tobytes()
+
+
 # -- the actor ------------------------------------------------------------------------------
 
 
@@ -229,7 +237,8 @@ class EngineActor(Actor):
         out = await self.engine.generate(msg.request)
         return GenerateReply(output_ids=out.output_ids, output_token_logprobs=out.output_token_logprobs,
                              finish_reason=(out.finish_reason or {}).get("type"), weight_version=out.weight_version,
-                             text=out.text or "", weight_versions=out.weight_versions)
+                             text=out.text or "", weight_versions=out.weight_versions,
+                             routed_experts=_experts_bytes(out.routed_experts_TLk))
 
     @handler(concurrent=True)  # read-only: answers even while a long transfer holds the mailbox
     async def status(self, msg: EngineStatus) -> EngineState:

@@ -21,6 +21,7 @@ worker goes on serving. In every case the sample counts as aborted and its group
 
 from __future__ import annotations
 
+import base64
 import importlib
 import inspect
 import logging
@@ -92,6 +93,7 @@ class SampleOut(msgspec.Struct, frozen=True, kw_only=True):
     token_logprobs: list[float] = []
     prompt_tokens_sent: int = 0  # multi-turn: prompt tokens of every turn, and how many the prefix cache held
     cached_tokens: int = 0
+    routed_experts: bytes = b""  # MoE (R3): int32 [tokens - 1, MoE layers, top_k], as TrainSample wants
 
     @property
     def aborted(self) -> bool:
@@ -111,6 +113,7 @@ class Rollout(Message):
     task: Any = None  # an agent's task (the environment's own struct; plain data on the wire)
     seed: int | None = None
     engine_actor: str = ""  # an EngineActor's name: ask it directly instead of over HTTP
+    routed_experts: bool = False  # MoE: record the experts each token was routed to (R3)
     Reply: ClassVar[Any] = SampleOut
 
 
@@ -182,34 +185,38 @@ class RolloutWorker(Actor):
             ref = self.engine_refs[name] = await self.system.lookup(name, timeout_s=self.timeout_s)
         return ref
 
-    async def _generate(self, msg: Rollout) -> tuple[str, list[int], list[float], str, list[int]]:
-        """(finish reason, output ids, log-probs, text, versions) from the engine, by mailbox or HTTP."""
+    async def _generate(self, msg: Rollout) -> tuple[str, list[int], list[float], str, list[int], bytes]:
+        """(finish reason, output ids, log-probs, text, versions, routed experts) from the engine."""
         s = msg.sampling
         if msg.engine_actor:
             params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                     top_k=s.top_k, sampling_seed=msg.seed)
             ref = await self._engine_ref(msg.engine_actor)
             assert msg.prompt is not None
-            reply = await ref.ask(Generate(request=GenerateRequest(input_ids=msg.prompt.input_ids, sampling_params=params,
-                                                                   return_logprob=True)), timeout_s=self.timeout_s)
+            reply = await ref.ask(Generate(request=GenerateRequest(
+                input_ids=msg.prompt.input_ids, sampling_params=params, return_logprob=True,
+                return_routed_experts=msg.routed_experts)), timeout_s=self.timeout_s)
             final = _version(reply.weight_version, msg.engine_version)
             versions = reply.weight_versions or sorted({msg.engine_version, final})
             return (reply.finish_reason or "abort", reply.output_ids, list(reply.output_token_logprobs or []),
-                    reply.text, versions)
+                    reply.text, versions, reply.routed_experts)
         params_json: dict[str, Any] = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature,
                                        "top_p": s.top_p, "top_k": s.top_k}
         if msg.seed is not None:
             params_json["sampling_seed"] = msg.seed
         assert msg.prompt is not None
         out = await self._client(msg.engine_url).generate(input_ids=msg.prompt.input_ids, sampling_params=params_json,
-                                                          return_logprob=True)
+                                                          return_logprob=True,
+                                                          return_routed_experts=msg.routed_experts)
         meta = out["meta_info"]
         # Every version the tokens were sampled under (our engine reports them; for an engine that
         # reports only the final one, the version at submission and at the end).
         final = _version(str(meta.get("weight_version", "")), msg.engine_version)
         versions = list(meta.get("weight_versions") or sorted({msg.engine_version, final}))
+        experts = base64.b64decode(meta["routed_experts"]) if meta.get("routed_experts") else b""
         return ((meta.get("finish_reason") or {}).get("type", "abort"), list(out.get("output_ids") or []),
-                [float(entry[0]) for entry in meta.get("output_token_logprobs") or []], out.get("text", ""), versions)
+                [float(entry[0]) for entry in meta.get("output_token_logprobs") or []], out.get("text", ""), versions,
+                experts)
 
     async def _episode(self, msg: Rollout) -> SampleOut:
         """One agent episode in its own session (and sandbox); its trajectory is the sample."""
@@ -254,7 +261,8 @@ class RolloutWorker(Actor):
                          finish_reason="abort" if finish == "abort" else finish, versions=versions,
                          tokens=sample["tokens"], loss_mask=mask, token_logprobs=sample["rollout_logprobs"],
                          prompt_tokens_sent=int(meta.get("prompt_tokens", 0)),
-                         cached_tokens=int(meta.get("cached_tokens", 0)))
+                         cached_tokens=int(meta.get("cached_tokens", 0)),
+                         routed_experts=base64.b64decode(sample["routed_experts"]) if sample.get("routed_experts") else b"")
 
     @handler(concurrent=True)
     async def rollout(self, msg: Rollout) -> SampleOut:
@@ -266,7 +274,7 @@ class RolloutWorker(Actor):
             "attempt": msg.attempt, "engine": msg.engine, "prompt_ids": list(msg.prompt.input_ids if msg.prompt else []),
             "submit_s": submit_s}
         try:
-            finish, output_ids, logprobs, text, versions = await self._generate(msg)
+            finish, output_ids, logprobs, text, versions, experts = await self._generate(msg)
         except (EngineHTTPError, OSError, TimeoutError, ActorError) as e:  # the engine's failure: report it
             return SampleOut(**fields, output_ids=[], output_logprobs=[], output_text="", finish_reason="error",
                              versions=[msg.engine_version], reward=0.0, end_s=time.time(),
@@ -280,4 +288,5 @@ class RolloutWorker(Actor):
                 log.warning("reward function failed on prompt %d: %r", msg.prompt_index, e)
                 finish, error = "reward_error", f"{type(e).__name__}: {e}"
         return SampleOut(**fields, output_ids=output_ids, output_logprobs=logprobs, output_text=text,
-                         finish_reason=finish, versions=versions, reward=reward, end_s=time.time(), error=error)
+                         finish_reason=finish, versions=versions, reward=reward, end_s=time.time(), error=error,
+                         routed_experts=experts)

@@ -97,7 +97,7 @@ class RefillScheduler(Actor):
     def __init__(self, config: RefillConfig, dataset: list[Any], sampling: SamplingConfig, *,
                  workers: list[str], buffer: str, seed: int | None = None, trainer_version: int = 0, first_prompt: int = 0,
                  on_sample: Callable[[SampleOut, bool], None] | None = None, clock: Clock | None = None,
-                 timeout_s: float = 3600.0) -> None:
+                 timeout_s: float = 3600.0, routed_experts: bool = False) -> None:
         if not dataset:
             raise ValueError("the scheduler needs a non-empty dataset of prompts")
         if not workers:
@@ -110,6 +110,7 @@ class RefillScheduler(Actor):
         self.seed = seed
         self.on_sample = on_sample
         self.timeout_s = timeout_s
+        self.routed_experts = routed_experts  # MoE: every rollout records its routed experts (R3)
         self.clock = clock or RealClock()
         self.workers: list[ActorRef] = []
         self.buffer: ActorRef | None = None
@@ -207,7 +208,7 @@ class RefillScheduler(Actor):
             msg = Rollout(request_id=submit.request_id, prompt_index=submit.prompt_id, index=submit.index,
                           attempt=submit.attempt, engine=submit.engine, engine_url=url, engine_version=version,
                           engine_actor=self.engine_actors.get(submit.engine, ""),
-                          prompt=prompt, task=task, sampling=self.sampling,
+                          prompt=prompt, task=task, sampling=self.sampling, routed_experts=self.routed_experts,
                           seed=None if self.seed is None else sample_seed(self.seed, submit.prompt_id, submit.index,
                                                                          submit.attempt))
             self._mark_busy(submit.engine, True)

@@ -95,6 +95,9 @@ class SessionSample(msgspec.Struct, frozen=True, kw_only=True):
     num_turns: int
     finish_reason: str
     num_mismatches: int = 0
+    # MoE (R3): base64 of the int32 [len(tokens) - 1, MoE layers, top_k] experts the engine routed
+    # each token to (SGLang's layout; TrainSample.routed_experts once decoded); None for dense models.
+    routed_experts: str | None = None
 
 
 class RequestError(ValueError):
@@ -268,6 +271,9 @@ class Checkpoint:
     finish_reason: str
     num_mismatches: int
     num_children: int = 0
+    # MoE (R3): the experts the engine routed every token but the last to, as the engine sent them
+    # (base64 int32 [tokens - 1, MoE layers, top_k]); the last turn's cover the whole trajectory.
+    routed_experts: str | None = None
 
 
 @dataclass(slots=True)
@@ -365,7 +371,8 @@ class TitoTokenizer:
 
     @staticmethod
     def checkpoint(request: ChatRequest, prompt: Prompt, reply_key: str, output_ids: list[int],
-                   output_logprobs: list[float], weight_versions: list[str], finish_reason: str) -> Checkpoint:
+                   output_logprobs: list[float], weight_versions: list[str], finish_reason: str,
+                   routed_experts: str | None = None) -> Checkpoint:
         parent = prompt.parent
         num_new = len(prompt.input_ids) - (len(parent.tokens) if parent else 0)
         if parent is not None:
@@ -377,14 +384,15 @@ class TitoTokenizer:
             logprobs=(parent.logprobs if parent else []) + [0.0] * num_new + list(output_logprobs),
             weight_versions=(parent.weight_versions if parent else []) + weight_versions,
             output_ids=output_ids, num_turns=(parent.num_turns if parent else 0) + 1, finish_reason=finish_reason,
-            num_mismatches=(parent.num_mismatches if parent else 0) + int(prompt.mismatch))
+            num_mismatches=(parent.num_mismatches if parent else 0) + int(prompt.mismatch),
+            routed_experts=routed_experts)
 
 
 def sample_of(session_id: str, checkpoint: Checkpoint) -> SessionSample:
     return SessionSample(session_id=session_id, tokens=list(checkpoint.tokens), loss_mask=list(checkpoint.loss_mask),
                          rollout_logprobs=list(checkpoint.logprobs), weight_versions=list(checkpoint.weight_versions),
                          num_turns=checkpoint.num_turns, finish_reason=checkpoint.finish_reason,
-                         num_mismatches=checkpoint.num_mismatches)
+                         num_mismatches=checkpoint.num_mismatches, routed_experts=checkpoint.routed_experts)
 
 
 # ----- the server -----
@@ -397,6 +405,7 @@ class EngineSlot:
     num_in_flight: int = 0
     num_requests: int = 0
     num_sessions: int = 0
+    is_moe: bool | None = None  # asked once (model info): MoE engines send routed experts for R3
 
 
 @dataclass(slots=True)
@@ -410,6 +419,7 @@ class Turn:
     weight_versions: list[str]
     prompt_tokens: int
     cached_tokens: int
+    routed_experts: str | None = None
 
 
 class SessionServer:
@@ -495,12 +505,16 @@ class SessionServer:
         engine.num_in_flight += 1
         engine.num_requests += 1
         try:
+            if engine.is_moe is None:
+                engine.is_moe = bool((await engine.client.model_info()).get("is_moe"))
+            experts = {"return_routed_experts": True} if engine.is_moe else {}
             if on_text is None:
-                out = await engine.client.generate(input_ids=input_ids, sampling_params=params, return_logprob=True)
+                out = await engine.client.generate(input_ids=input_ids, sampling_params=params, return_logprob=True,
+                                                   **experts)
             else:
                 out = None
                 async for out in engine.client.generate_stream(input_ids=input_ids, sampling_params=params,
-                                                               return_logprob=True):
+                                                               return_logprob=True, **experts):
                     await on_text(out.get("text", ""))
                 if out is None:
                     raise RequestError("the engine's stream ended without an output", status=502, kind="server_error")
@@ -522,7 +536,7 @@ class SessionServer:
         return Turn(output_ids=output_ids, logprobs=[float(t[0]) for t in triples], text=out.get("text", ""),
                     engine_finish=finish, weight_versions=[str(v) for v in versions if v is not None],
                     prompt_tokens=int(meta.get("prompt_tokens", len(input_ids))),
-                    cached_tokens=int(meta.get("cached_tokens", 0)))
+                    cached_tokens=int(meta.get("cached_tokens", 0)), routed_experts=meta.get("routed_experts"))
 
     async def complete(self, session_id: str, request: ChatRequest, on_text: Any = None) -> dict[str, Any]:
         """Run one turn of `session_id`: TITO prompt, engine, checkpoint; return chat.completion JSON."""
@@ -540,7 +554,7 @@ class SessionServer:
                  **({"tool_calls": [msgspec.to_builtins(c) for c in calls]} if calls else {})}
         checkpoint = self.tito.checkpoint(
             request, prompt, _message_key(_render_message(reply, 0)), turn.output_ids, turn.logprobs,
-            turn.weight_versions, "abort" if turn.engine_finish == "abort" else finish)
+            turn.weight_versions, "abort" if turn.engine_finish == "abort" else finish, turn.routed_experts)
         session.checkpoints.append(checkpoint)
         session.num_turns += 1
         session.num_mismatches += int(prompt.mismatch)

@@ -202,3 +202,20 @@ def test_the_multi_turn_recipe_trains_agent_episodes_through_the_session_server(
     assert metrics[-1]["prefix_cache_hit_rate"] > 0.5
     samples = [r for r in decode_trace(tmp_path / "trace.jsonl") if isinstance(r, SampleTrace)]
     assert samples and all(s.output_tokens > 0 for s in samples if s.finish_reason != "error")
+
+
+@pytest.mark.timeout(240)
+def test_a_moe_model_trains_on_the_experts_its_rollouts_were_routed_to(tmp_path):
+    config = load_recipe(RECIPE, [*SHORT, "loop.num_steps=2", "model.family=qwen3_moe", "eval.mode=none"])
+    controller = Controller(config, tmp_path, progress=False)
+    seen: list[int] = []
+    trace = controller._trace_sample
+
+    def record(sample, counted):
+        seen.append(len(sample.routed_experts))
+        trace(sample, counted)
+
+    controller._trace_sample = record
+    result = run_async(controller.run())
+    assert result.num_steps == 2
+    assert seen and all(n > 0 for n in seen)  # every rollout came back with its routed experts

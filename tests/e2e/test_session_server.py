@@ -364,3 +364,27 @@ def test_a_model_that_calls_a_tool_gets_openai_tool_calls_and_a_masked_trajector
     sample = body["samples"][0]
     generated = [t for t, m in zip(sample["tokens"], sample["loss_mask"]) if m]
     assert generated == extras(first)[1] + extras(second)[1]  # exactly the sampled ids, both turns
+
+
+def test_a_moe_engine_s_routed_experts_ride_in_the_session_sample():
+    import base64
+
+    import numpy as np
+
+    async def main(folder):
+        async with served(folder) as (server, _):
+            client = client_for(server, "moe")
+            messages = [{"role": "user", "content": "hello"}]
+            first = await client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0)
+            messages += [reply_message(first), {"role": "user", "content": "again"}]
+            await client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0)
+            return server.samples("moe")[-1], load_pretrained(folder).config
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        sample, config = run(main(init_model("qwen3_moe", "tiny", tmp, seed=0, init_std=LIVELY_STD)))
+    experts = np.frombuffer(base64.b64decode(sample.routed_experts), dtype="<i4")
+    num_layers, top_k = len(config.moe_layer_indices), config.num_experts_per_tok
+    assert experts.size == (len(sample.tokens) - 1) * num_layers * top_k  # every token but the last
+    assert experts.min() >= 0 and experts.max() < config.num_experts
