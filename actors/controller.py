@@ -213,7 +213,8 @@ class Controller:
         if self.agentic:
             assert self.sessions is not None
             agent_kwargs = {"agent": cfg.agent.agent, "environment": cfg.agent.environment,
-                            "session_url": self.sessions.url, "sandbox": cfg.agent.sandbox}
+                            "session_url": self.sessions.url, "sandbox": cfg.agent.sandbox,
+                            "rollout": cfg.agent.rollout}
         for name in workers:
             await system.spawn(RolloutWorker, name, args=(cfg.task.reward,), kwargs=agent_kwargs)
         buffer_cfg = msgspec.structs.replace(cfg.buffer, max_staleness=loop.staleness)

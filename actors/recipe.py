@@ -57,6 +57,7 @@ class AgentSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     agent: str = ""  # "" = single-turn generation
     environment: str = ""
+    rollout: str = "miles_async.agents.api:run_episode"  # drives one episode (agents.api.RolloutFn)
     sandbox: bool = True  # a LocalSandbox per episode for the environment's tools
 
 

@@ -149,13 +149,15 @@ class RolloutWorker(Actor):
     mailbox_capacity: ClassVar[int] = 4096
 
     def __init__(self, reward: str, *, timeout_s: float = 600.0, agent: str = "", environment: str = "",
-                 session_url: str = "", sandbox: bool = False) -> None:
+                 session_url: str = "", sandbox: bool = False,
+                 rollout: str = "miles_async.agents.api:run_episode") -> None:
         self.reward_fn = load_reward(reward)
         self.timeout_s = timeout_s
         # Agent mode: each sample is an episode of `agent` in `environment`, talking to the policy
         # through a session of the TITO server at `session_url`.
         self.agent = load_object(agent, "agent") if agent else None
         self.environment_cls = load_object(environment, "environment") if environment else None
+        self.rollout_fn = load_object(rollout, "rollout function") if agent else None
         self.session_url = session_url.rstrip("/")
         self.sandbox = sandbox
         self.agent_http: aiohttp.ClientSession | None = None
@@ -220,7 +222,6 @@ class RolloutWorker(Actor):
 
     async def _episode(self, msg: Rollout) -> SampleOut:
         """One agent episode in its own session (and sandbox); its trajectory is the sample."""
-        from miles_async.agents.api import run_episode
         from miles_async.agents.sandbox import LocalSandbox
 
         submit_s = time.time()
@@ -233,8 +234,9 @@ class RolloutWorker(Actor):
             self.agent_http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         http = self.agent_http
         try:
-            episode = await run_episode(self.agent, environment, msg.task, f"{self.session_url}/sessions/{session_id}/v1",
-                                        sampling=sampling, sandbox=sandbox, http=http)
+            episode = await self.rollout_fn(self.agent, environment, msg.task,
+                                            f"{self.session_url}/sessions/{session_id}/v1", sampling=sampling,
+                                            sandbox=sandbox, http=http)
             async with http.get(f"{self.session_url}/sessions/{session_id}/samples") as response:
                 body = await response.json(content_type=None) if response.status == 200 else None
             async with http.delete(f"{self.session_url}/sessions/{session_id}"):

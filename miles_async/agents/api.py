@@ -1,6 +1,6 @@
 """The three plug-in layers of a multi-turn rollout, innermost first, each a typed Protocol.
 
-    RolloutFn  drives many episodes (a group of n per task, sessions, concurrency)
+    RolloutFn  drives an episode for the loop (which runs many: n per task, sample by sample)
       └─ Environment  sets a task up (its tools, its sandbox) and verifies the result
            └─ Agent  `async def agent(ctx) -> str | None`: ordinary code, any number of turns
 
@@ -19,7 +19,7 @@ tests a replacement must pass.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
@@ -114,7 +114,10 @@ class AgentContext:
             return f"error: {e}"
 
 
-Agent = Callable[[AgentContext], Awaitable[str | None]]
+class Agent(Protocol):
+    """The innermost layer: `async def agent(ctx) -> str | None`, the final answer (or None)."""
+
+    def __call__(self, ctx: AgentContext) -> Awaitable[str | None]: ...
 
 
 async def run_episode(agent: Agent, environment: Environment, task: Any, base_url: str, *,
@@ -144,17 +147,20 @@ async def run_episode(agent: Agent, environment: Environment, task: Any, base_ur
 
 
 class RolloutFn(Protocol):
-    """Drives the episodes of one group: n episodes of one task, each in a session of its own."""
+    """The outer layer: how the loop drives an episode (the refill scheduler decides which and when,
+    sample by sample). `run_episode` is the default; a replacement (retries, a harness of its own,
+    several agents in one episode) is named in the recipe (`[agent] rollout`)."""
 
-    async def __call__(self, agent: Agent, environment: Environment, task: Any, session_urls: Sequence[str],
-                       sampling: Mapping[str, Any]) -> list[Episode]: ...
+    async def __call__(self, agent: Agent, environment: Environment, task: Any, base_url: str, *,
+                       sampling: Mapping[str, Any] | None = None, sandbox: Any = None,
+                       http: aiohttp.ClientSession | None = None) -> Episode: ...
 
 
 async def rollout_group(agent: Agent, environment: Environment, task: Any, session_urls: Sequence[str],
-                        sampling: Mapping[str, Any]) -> list[Episode]:
-    """The default rollout function: the group's episodes concurrently, one HTTP session shared."""
+                        sampling: Mapping[str, Any], rollout: RolloutFn = run_episode) -> list[Episode]:
+    """A group's episodes (one per session URL) concurrently through `rollout`, one HTTP session shared."""
     import asyncio
 
     async with aiohttp.ClientSession() as http:
-        return list(await asyncio.gather(*(run_episode(agent, environment, task, url, sampling=sampling, http=http)
+        return list(await asyncio.gather(*(rollout(agent, environment, task, url, sampling=sampling, http=http)
                                            for url in session_urls)))

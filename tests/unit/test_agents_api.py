@@ -141,3 +141,25 @@ def test_problems_and_sft_transcripts():
     assert transcript[-1]["content"] == str(items[0].a * items[0].b)
     with pytest.raises(ValueError, match="min_value"):
         CalculatorTaskConfig(min_value=5, max_value=2)
+
+
+def test_a_replacement_rollout_function_drives_the_episodes():
+    calls: list[str] = []
+
+    async def retrying(agent_fn, environment, task, base_url, *, sampling=None, sandbox=None, http=None) -> Episode:
+        calls.append(base_url)
+        episode = await run_episode(agent_fn, environment, task, base_url, sampling=sampling, http=http)
+        return episode if not episode.error else await run_episode(agent_fn, environment, task, base_url,
+                                                                   sampling=sampling, http=http)
+
+    async def main() -> list[Episode]:
+        runner, url = await serve(ScriptedPolicy([{"content": "", "tool_calls": [tool_call(417, 38)]},
+                                                  {"content": "15846"}] * 4))
+        try:
+            return await rollout_group(agent, CalculatorEnv(), PROBLEM, [f"{url}/sessions/{i}/v1" for i in range(2)],
+                                       {}, rollout=retrying)
+        finally:
+            await runner.cleanup()
+
+    episodes = run(main())
+    assert len(calls) == 2 and all(e.reward == 1.0 for e in episodes)
