@@ -52,7 +52,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import jinja2
@@ -61,10 +61,8 @@ from aiohttp import web
 
 from miles_async.agents.toolcalls import TOOL_CALL_OPEN, scan_tool_calls
 from miles_async.engine.client import EngineClient, EngineHTTPError
+from miles_async.engine.server import AppServer
 from miles_async.models.tokenizer import Tokenizer, load_tokenizer
-
-if TYPE_CHECKING:
-    from typing_extensions import Self
 
 log = logging.getLogger(__name__)
 
@@ -422,7 +420,7 @@ class Turn:
     routed_experts: str | None = None
 
 
-class SessionServer:
+class SessionServer(AppServer):
     """Serve TITO sessions over engines (SGLang-API URLs) on host:port (port 0: any free port).
 
         async with SessionServer(["http://127.0.0.1:30000"], "models/tiny") as server:
@@ -443,15 +441,10 @@ class SessionServer:
         self.tito = TitoTokenizer(tokenizer)
         self.tokenizer = tokenizer
         self.engines = [EngineSlot(url, EngineClient(url, timeout_s=engine_timeout_s)) for url in engine_urls]
-        self.host, self.port = host, port
+        super().__init__(host, port)
         self.max_sessions = max_sessions
         self.sessions: dict[str, Session] = {}
         self._num_closed_turns = 0
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
     # ----- Python API -----
 
@@ -585,27 +578,13 @@ class SessionServer:
 
     # ----- lifecycle -----
 
-    async def start(self) -> str:
-        self._runner = web.AppRunner(create_app(self), handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
-        return self.url
+    def make_app(self) -> web.Application:
+        return create_app(self)
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await super().stop()
         for engine in self.engines:
             await engine.client.close()
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.stop()
 
 
 # ----- HTTP -----

@@ -355,26 +355,28 @@ def create_app(engine: Engine) -> web.Application:
     return app
 
 
-class EngineServer:
-    """Serve an engine on host:port (port 0: any free port) inside the running event loop.
+class AppServer:
+    """An aiohttp application served on host:port (port 0: any free one) inside the running loop.
 
-        async with EngineServer(engine) as server:
-            client = EngineClient(server.url)
+    Subclasses say which application (`make_app`); `start` returns the URL, `stop` closes it, and
+    `async with` does both. handler_cancellation: a client that disconnects cancels its handler
+    (the engine then aborts its request).
     """
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.engine = engine
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.host = host
         self.port = port
         self._runner: web.AppRunner | None = None
+
+    def make_app(self) -> web.Application:
+        raise NotImplementedError
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> str:
-        # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
-        self._runner = web.AppRunner(create_app(self.engine), handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -392,6 +394,21 @@ class EngineServer:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
+
+
+class EngineServer(AppServer):
+    """Serve an engine on host:port (port 0: any free port) inside the running event loop.
+
+        async with EngineServer(engine) as server:
+            client = EngineClient(server.url)
+    """
+
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__(host, port)
+        self.engine = engine
+
+    def make_app(self) -> web.Application:
+        return create_app(self.engine)
 
 
 async def serve_forever(engine: Engine, host: str, port: int) -> None:
