@@ -22,6 +22,7 @@ queue gets 503. Streamed outputs are cumulative, as SGLang's are by default.
 
 from __future__ import annotations
 
+import abc
 import array
 import asyncio
 import base64
@@ -355,7 +356,7 @@ def create_app(engine: Engine) -> web.Application:
     return app
 
 
-class AppServer:
+class AppServer(abc.ABC):
     """An aiohttp application served on host:port (port 0: any free one) inside the running loop.
 
     Subclasses say which application (`make_app`); `start` returns the URL, `stop` closes it, and
@@ -368,8 +369,9 @@ class AppServer:
         self.port = port
         self._runner: web.AppRunner | None = None
 
+    @abc.abstractmethod
     def make_app(self) -> web.Application:
-        raise NotImplementedError
+        """The application to serve."""
 
     @property
     def url(self) -> str:
