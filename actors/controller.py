@@ -42,6 +42,7 @@ import signal
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,19 @@ def to_train_sample(sample: SampleOut, group: int) -> TrainSample:
                        rollout_logprobs=[0.0] * len(sample.prompt_ids) + sample.output_logprobs,
                        reward=sample.reward, weight_version=min(sample.versions), group=group,
                        routed_experts=sample.routed_experts)
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A step whose batch is training: what the controller writes down when it finishes."""
+
+    step: int
+    start_s: float
+    batch: Batch
+    samples: list[TrainSample]
+    prompt_ids: list[int]
+    train: asyncio.Future
+    issued: float  # perf_counter when the TrainStep was sent
 
 
 def _payload(record: Any) -> SampleOut:
@@ -400,91 +414,107 @@ class Controller:
 
     # ----- the RL loop -----
 
+    async def _launch(self, step: int) -> _Launched | None:
+        """Wait for step `step`'s batch and start training on it; None if the run stops first."""
+        assert self.trainer is not None
+        step_start = self._now()
+        batch = await self._next_batch()
+        if batch is None:
+            return None
+        samples, prompt_ids = [], []
+        for group in batch.groups:
+            prompt_ids.append(group.prompt_id)
+            samples.extend(to_train_sample(_payload(r), group.prompt_id) for r in group.samples)
+        train = asyncio.ensure_future(self.trainer.ask(TrainStep(samples=samples, data_cursor=-1), ASK_S))
+        return _Launched(step=step, start_s=step_start, batch=batch, samples=samples, prompt_ids=prompt_ids,
+                         train=train, issued=time.perf_counter())
+
     async def _rl(self, first_step: int) -> tuple[list[float], float, float]:
+        """The steps: each step's batch is trained while the previous step is written down (metrics,
+        trace, progress), and its weights are pushed while the next one trains."""
         cfg = self.config
         assert self.trainer is not None and self.buffer is not None and self.scheduler is not None
         rewards: list[float] = []
-        rl_start = time.perf_counter()
+        rl_start = last_end = time.perf_counter()
         trained = 0
         idle_total = 0.0
-        last_end = time.perf_counter()
         busy_before: dict[str, float] = {}
-        with Progress(cfg.loop.num_steps, enabled=self.show_progress) as progress:
-            for step in range(first_step + 1, cfg.loop.num_steps + 1):
-                if self.stop.is_set():
-                    break
-                self.step = step
-                step_start = self._now()
-                batch = await self._next_batch()
-                if batch is None:
-                    break
-                samples, prompt_ids = [], []
-                for group in batch.groups:
-                    prompt_ids.append(group.prompt_id)
-                    samples.extend(to_train_sample(_payload(r), group.prompt_id) for r in group.samples)
-                t0 = time.perf_counter()
-                metrics = await self.trainer.ask(TrainStep(samples=samples, data_cursor=-1), ASK_S)
-                train_s = time.perf_counter() - t0
-                # The update overlaps the next step: the trainer only exports (a gather and a file
-                # write); the pusher moves the weights while the trainer trains on the next batch.
+        last = cfg.loop.num_steps
+        with Progress(last, enabled=self.show_progress) as progress:
+            current = await self._launch(first_step + 1) if first_step < last and not self.stop.is_set() else None
+            while current is not None:
+                step = self.step = current.step
+                metrics = await current.train
+                end = time.perf_counter()
+                train_s, step_s, last_end = end - current.issued, end - last_end, end
                 t1 = time.perf_counter()
                 self.version = metrics.weight_version
-                await self.scheduler.tell(TrainerStepped(version=self.version, prompt_ids=prompt_ids))
+                await self.scheduler.tell(TrainerStepped(version=self.version, prompt_ids=current.prompt_ids))
                 if not metrics.skipped:
                     manifest = await self.trainer.ask(ExportWeights(), ASK_S)
                     await self._settle_update()  # one update at a time, in version order
                     self.update_task = asyncio.ensure_future(self._update_engines(manifest))
                 update_s = time.perf_counter() - t1
                 eval_score = None
-                if cfg.eval.mode != "none" and cfg.eval.every > 0 and (step % cfg.eval.every == 0
-                                                                       or step == cfg.loop.num_steps):
+                if cfg.eval.mode != "none" and cfg.eval.every > 0 and (step % cfg.eval.every == 0 or step == last):
                     eval_score = await self._evaluate()
-                end = time.perf_counter()
-                step_s = end - last_end
-                last_end = end
-                trained += len(samples)
-                idle = max(step_s - train_s, 0.0)
-                idle_total += idle
+                checkpoint_due = bool(cfg.loop.checkpoint_every) and step % cfg.loop.checkpoint_every == 0
+                upcoming = None
+                if step < last and not checkpoint_due and not self.stop.is_set():
+                    upcoming = await self._launch(step + 1)  # the trainer works while this step is written down
+                trained += len(current.samples)
+                idle_total += max(step_s - train_s, 0.0)
                 state = await self.scheduler.ask(GetSchedulerState(), timeout_s=ASK_S)
                 busy = sum(state.engine_busy_s.values()) - sum(busy_before.values())
                 busy_before = dict(state.engine_busy_s)
                 buffer_stats = await self.buffer.ask(BufferStats(), timeout_s=ASK_S)
-                # The policy's reward: every sample finished since the last step, kept or filtered
-                # (the batch's own mean leans on groups the filter kept, those with mixed rewards).
-                reward = statistics.fmean(self.rollout_rewards) if self.rollout_rewards else 0.0
-                self.rollout_rewards = []
-                rewards.append(reward)
-                row = {
-                    "step": step, "wall_s": self._now(), "weight_version": self.version, "reward_mean": reward,
-                    "batch_reward_mean": statistics.fmean(s.reward for s in samples),
-                    "logprob_abs_diff": metrics.logprob_abs_diff, "staleness_mean": batch.metrics.drawn_staleness_mean,
-                    "staleness_max": batch.metrics.drawn_staleness_max,
-                    "waiting_staleness_mean": batch.metrics.waiting_staleness_mean, "num_samples": len(samples),
-                    "num_tokens": metrics.num_tokens, "samples_per_s": len(samples) / max(step_s, 1e-9),
-                    "step_s": step_s, "wait_data_s": batch.waited_s, "train_s": train_s, "update_s": update_s,
-                    "trainer_idle_fraction": idle / max(step_s, 1e-9),
-                    "engine_busy_fraction": min(busy / max(step_s * len(self.engines), 1e-9), 1.0),
-                    "buffer_occupancy": buffer_stats["num_groups"] / self.config.buffer.capacity_groups,
-                    "dropped_stale": buffer_stats["dropped"].get("stale", 0),
-                    "dropped_aborted": buffer_stats["dropped"].get("aborted", 0),
-                    "dropped_filtered": buffer_stats["dropped"].get("filtered", 0),
-                    "loss": metrics.loss, "grad_norm": metrics.grad_norm, "entropy": metrics.entropy}
-                if eval_score is not None:
-                    row["eval_score"] = eval_score
-                if self.agentic:  # multi-turn: how much of every turn's prompt the engines' prefix caches held
-                    row["prefix_cache_hit_rate"] = self.cached_tokens / max(self.prompt_tokens_sent, 1)
+                row = self._row(current, metrics, step_s, train_s, update_s, busy, buffer_stats, eval_score)
+                rewards.append(row["reward_mean"])
                 self.metrics.log(row)
+                batch = current.batch
                 self.trace.write(StepTrace(
-                    step=step, weight_version=self.version, start_s=step_start, end_s=self._now(),
-                    wait_data_s=batch.waited_s, train_s=train_s, update_s=update_s, num_samples=len(samples),
+                    step=step, weight_version=self.version, start_s=current.start_s, end_s=self._now(),
+                    wait_data_s=batch.waited_s, train_s=train_s, update_s=update_s, num_samples=len(current.samples),
                     num_tokens=metrics.num_tokens, staleness_mean=batch.metrics.drawn_staleness_mean,
-                    staleness_max=batch.metrics.drawn_staleness_max, prompt_ids=prompt_ids))
+                    staleness_max=batch.metrics.drawn_staleness_max, prompt_ids=current.prompt_ids))
                 progress.update(row)
-                if cfg.loop.checkpoint_every and step % cfg.loop.checkpoint_every == 0:
+                if checkpoint_due:
                     await self._checkpoint()
+                    if step < last and not self.stop.is_set():
+                        upcoming = await self._launch(step + 1)
+                current = upcoming
         await self._settle_update()
         wall = time.perf_counter() - rl_start
         return rewards, trained / max(wall, 1e-9), idle_total / max(wall, 1e-9)
+
+    def _row(self, current: _Launched, metrics: Any, step_s: float, train_s: float, update_s: float, busy: float,
+             buffer_stats: dict, eval_score: float | None) -> dict[str, Any]:
+        """One metrics.jsonl row (observe.logs lists the keys)."""
+        samples, batch = current.samples, current.batch
+        # The policy's reward: every sample finished since the last step, kept or filtered (the
+        # batch's own mean leans on groups the filter kept, those with mixed rewards).
+        reward = statistics.fmean(self.rollout_rewards) if self.rollout_rewards else 0.0
+        self.rollout_rewards = []
+        row = {
+            "step": current.step, "wall_s": self._now(), "weight_version": self.version, "reward_mean": reward,
+            "batch_reward_mean": statistics.fmean(s.reward for s in samples),
+            "logprob_abs_diff": metrics.logprob_abs_diff, "staleness_mean": batch.metrics.drawn_staleness_mean,
+            "staleness_max": batch.metrics.drawn_staleness_max,
+            "waiting_staleness_mean": batch.metrics.waiting_staleness_mean, "num_samples": len(samples),
+            "num_tokens": metrics.num_tokens, "samples_per_s": len(samples) / max(step_s, 1e-9),
+            "step_s": step_s, "wait_data_s": batch.waited_s, "train_s": train_s, "update_s": update_s,
+            "trainer_idle_fraction": max(step_s - train_s, 0.0) / max(step_s, 1e-9),
+            "engine_busy_fraction": min(busy / max(step_s * len(self.engines), 1e-9), 1.0),
+            "buffer_occupancy": buffer_stats["num_groups"] / self.config.buffer.capacity_groups,
+            "dropped_stale": buffer_stats["dropped"].get("stale", 0),
+            "dropped_aborted": buffer_stats["dropped"].get("aborted", 0),
+            "dropped_filtered": buffer_stats["dropped"].get("filtered", 0),
+            "loss": metrics.loss, "grad_norm": metrics.grad_norm, "entropy": metrics.entropy}
+        if eval_score is not None:
+            row["eval_score"] = eval_score
+        if self.agentic:  # multi-turn: how much of every turn's prompt the engines' prefix caches held
+            row["prefix_cache_hit_rate"] = self.cached_tokens / max(self.prompt_tokens_sent, 1)
+        return row
 
     async def _next_batch(self) -> Batch | None:
         """The next batch, or None when the run is asked to stop while waiting."""
