@@ -36,11 +36,6 @@ def run(coro):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return init_model("qwen3", "tiny", tmp_path_factory.mktemp("qwen3"), seed=0, init_std=LIVELY_STD)
-
-
-@pytest.fixture(scope="module")
 def model(model_dir):
     return load_pretrained(model_dir)
 
