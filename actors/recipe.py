@@ -80,6 +80,8 @@ class RolloutSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     target_in_flight: int = 64
     max_in_flight_per_engine: int | None = None
     partial: Literal["continue", "abort_retry"] = "continue"  # requests in flight across a weight update
+    # When a finished sample's slot is refilled: "sample" at once, "group" once its whole group is done.
+    refill: Literal["sample", "group"] = "sample"
     sampling: SamplingConfig = SamplingConfig()
     engine: EngineConfig = EngineConfig(kv_cache_mib=16, max_seq_len=64)
     engine_threads: int = 1

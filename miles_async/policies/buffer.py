@@ -135,6 +135,12 @@ class _Entry(msgspec.Struct, kw_only=True):
     group: Group
     put_at: float
     seq: int
+    oldest: int  # the group's oldest version, computed once: `get` scans every entry each call
+
+    def staleness(self, trainer_version: int) -> int:
+        if self.oldest > trainer_version:  # what `staleness.sample_staleness` refuses, at the cost of one compare
+            return self.group.staleness(trainer_version)
+        return trainer_version - self.oldest
 
 
 class BufferPolicy:
@@ -166,7 +172,10 @@ class BufferPolicy:
         if self.full:
             self._num_full_refusals += 1
             return PutDecision(status="full")
-        self._entries.append(_Entry(group=group, put_at=now, seq=self._seq))
+        if not all(s.versions for s in group.samples):
+            raise ValueError(f"group {group.prompt_id}: a sample has no recorded engine version; record the engine's "
+                             "weight version with every engine call")
+        self._entries.append(_Entry(group=group, put_at=now, seq=self._seq, oldest=group.oldest_version))
         self._seq += 1
         return PutDecision(status="accepted")
 
@@ -182,12 +191,12 @@ class BufferPolicy:
         discarded: list[int] = []
         fresh: list[_Entry] = []
         for entry in self._entries:
-            if entry.group.staleness(trainer_version) > self.config.max_staleness:
+            if entry.staleness(trainer_version) > self.config.max_staleness:
                 self._num_dropped["stale"] += 1
                 (retry if self.config.on_stale == "retry" else discarded).append(entry.group.prompt_id)
             else:
                 fresh.append(entry)
-        fresh.sort(key=lambda e: (e.group.oldest_version, e.seq))
+        fresh.sort(key=lambda e: (e.oldest, e.seq))
         take = batch_groups if len(fresh) >= batch_groups or allow_partial else 0
         drawn, self._entries = fresh[:take], fresh[take:]
         self._entries.sort(key=lambda e: e.seq)
@@ -195,8 +204,8 @@ class BufferPolicy:
         return Drawn(groups=[e.group for e in drawn], retry=retry, discarded=discarded, metrics=metrics)
 
     def _metrics(self, drawn: list[_Entry], trainer_version: int, now: float) -> BufferMetrics:
-        drawn_staleness = [e.group.staleness(trainer_version) for e in drawn]
-        waiting_staleness = [e.group.staleness(trainer_version) for e in self._entries]
+        drawn_staleness = [e.staleness(trainer_version) for e in drawn]
+        waiting_staleness = [e.staleness(trainer_version) for e in self._entries]
         waits_s = [now - e.put_at for e in drawn]
         metrics = BufferMetrics(
             trainer_version=trainer_version,

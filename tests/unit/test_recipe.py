@@ -18,6 +18,8 @@ def test_the_shipped_recipe_loads_and_overrides_apply():
     assert config.loop.staleness == 0 and load_recipe(RECIPE).loop.staleness == 2
     assert load_recipe(RECIPE, ["loop.mode=one_step_off"]).loop.staleness == 1
     assert config.task.reward == "miles_async.tasks.reverse:reward"
+    assert load_recipe(RECIPE).rollout.refill == "sample"
+    assert load_recipe(RECIPE, ["rollout.refill=group"]).rollout.refill == "group"
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -26,6 +28,7 @@ def test_the_shipped_recipe_loads_and_overrides_apply():
     (["nope.x=1"], "unknown key 'nope'"),
     (['loop.num_steps="many"'], r"Expected `int`, got `str` - at `\$.loop.num_steps`"),
     (["loop.mode=turbo"], "loop.mode"),
+    (["rollout.refill=batch"], "rollout.refill"),
     (["loop.num_steps"], "must look like key=value"),
     (["loop.num_steps.x=1"], "is a value, not a table"),
     (["eval.mode=command"], "needs eval.command"),
