@@ -64,7 +64,17 @@ from miles_async.actors.weights import PushWeights, WeightPusher, WeightSyncConf
 from miles_async.agents.session import SessionServer
 from miles_async.engine.client import EngineClient
 from miles_async.models import init_model, load_tokenizer
-from miles_async.observe import EvalTrace, MetricsLog, Progress, SampleTrace, StepTrace, TraceLog, UpdateTrace
+from miles_async.observe import (
+    TRACE_SCHEMA,
+    EvalTrace,
+    MetricsLog,
+    Progress,
+    RunTrace,
+    SampleTrace,
+    StepTrace,
+    TraceLog,
+    UpdateTrace,
+)
 from miles_async.policies.refill import RefillConfig
 from miles_async.runtime import ActorRef, ActorSystem, RuntimeConfig
 from miles_async.tasks import calculator
@@ -234,7 +244,7 @@ class Controller:
         buffer_cfg = msgspec.structs.replace(cfg.buffer, max_staleness=loop.staleness)
         refill = RefillConfig(target_in_flight=r.target_in_flight, group_size=r.group_size,
                               batch_groups=loop.batch_groups, max_staleness=loop.staleness,
-                              max_in_flight_per_engine=r.max_in_flight_per_engine)
+                              max_in_flight_per_engine=r.max_in_flight_per_engine, refill=r.refill)
         self.scheduler = await system.spawn(
             RefillScheduler, "scheduler", args=(refill, self.dataset, r.sampling),
             kwargs={"workers": workers, "buffer": "buffer", "seed": loop.seed if r.seeded else None, "trainer_version": self.version,
@@ -371,6 +381,7 @@ class Controller:
     async def _evaluate(self) -> float:
         await self._settle_update()  # evaluate the weights just trained
         cfg = self.config.eval
+        start = self._now()
         items = self.probe[:cfg.num_prompts]
         if cfg.mode == "shared":
             from miles_async.actors.scheduler import HoldRollouts
@@ -389,7 +400,8 @@ class Controller:
             score = await self._score(items, temperature=cfg.temperature, url=self.engine_urls["eval-engine"])
         else:
             score = await self._run_eval_command()
-        self.trace.write(EvalTrace(step=self.step, score=score, num_samples=len(items), mode=cfg.mode))
+        self.trace.write(EvalTrace(step=self.step, score=score, num_samples=len(items), mode=cfg.mode, start_s=start,
+                                   end_s=self._now()))
         self.eval_scores.append((self.step, score))
         return score
 
@@ -445,7 +457,7 @@ class Controller:
             while current is not None:
                 step = self.step = current.step
                 metrics = await current.train
-                end = time.perf_counter()
+                end, train_end_s = time.perf_counter(), self._now()
                 train_s, step_s, last_end = end - current.issued, end - last_end, end
                 t1 = time.perf_counter()
                 self.version = metrics.weight_version
@@ -476,7 +488,8 @@ class Controller:
                     step=step, weight_version=self.version, start_s=current.start_s, end_s=self._now(),
                     wait_data_s=batch.waited_s, train_s=train_s, update_s=update_s, num_samples=len(current.samples),
                     num_tokens=metrics.num_tokens, staleness_mean=batch.metrics.drawn_staleness_mean,
-                    staleness_max=batch.metrics.drawn_staleness_max, prompt_ids=current.prompt_ids))
+                    staleness_max=batch.metrics.drawn_staleness_max, prompt_ids=current.prompt_ids,
+                    train_end_s=train_end_s))
                 progress.update(row)
                 if checkpoint_due:
                     await self._checkpoint()
@@ -553,6 +566,7 @@ class Controller:
 
     async def run(self) -> RunResult:
         self._prepare()
+        self._write_header()  # first: the warm start's records come after it
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -587,6 +601,19 @@ class Controller:
                          reward_last=statistics.fmean(tail) if tail else None, eval_scores=self.eval_scores,
                          samples_per_s=samples_per_s, trainer_idle_fraction=idle, wall_s=self._now(),
                          interrupted=interrupted, resumed_from=self.resumed_from)
+
+    def _write_header(self) -> None:
+        """The trace's first record: the schema and the run's settings (what the simulator replays with)."""
+        cfg = self.config
+        r, loop, b = cfg.rollout, cfg.loop, cfg.buffer
+        self.trace.write(RunTrace(
+            schema=TRACE_SCHEMA, start_s=self._now(), source="run", num_engines=r.num_engines,
+            trainer_world_size=cfg.trainer.world_size, mode=loop.mode,
+            max_staleness=loop.staleness, group_size=r.group_size, batch_groups=loop.batch_groups,
+            target_in_flight=r.target_in_flight, max_in_flight_per_engine=r.max_in_flight_per_engine,
+            refill=r.refill, partial=r.partial, capacity_groups=b.capacity_groups, filter=b.filter,
+            on_stale=b.on_stale, on_abort=b.on_abort, eval_mode=cfg.eval.mode, eval_every=cfg.eval.every,
+            num_steps=loop.num_steps, transport=cfg.weights.transport))
 
     async def _resume_or_warm_start(self) -> tuple[int, int, int, float | None]:
         """(first RL step, first prompt position, SFT steps, SFT probe accuracy)."""

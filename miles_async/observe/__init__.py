@@ -23,7 +23,9 @@ from miles_async.observe.logs import METRICS_FILE, TRACE_FILE, JsonlWriter, Metr
 from miles_async.observe.plot import plot_run, read_metrics
 from miles_async.observe.progress import Progress
 from miles_async.observe.records import (
+    TRACE_SCHEMA,
     EvalTrace,
+    RunTrace,
     SampleTrace,
     StepTrace,
     TraceRecord,
@@ -34,10 +36,12 @@ from miles_async.observe.records import (
 __all__ = [
     "METRICS_FILE",
     "TRACE_FILE",
+    "TRACE_SCHEMA",
     "EvalTrace",
     "JsonlWriter",
     "MetricsLog",
     "Progress",
+    "RunTrace",
     "SampleTrace",
     "StepTrace",
     "TraceLog",

@@ -5,8 +5,23 @@ input of the simulator (`sim/`): replaying a real run's timings against the real
 virtual clock is how a scheduling change is judged before it is run. So the schema is a
 contract: new fields are appended with defaults, fields are never renamed or retyped.
 
+The first record of a run (and of each resumed run, which appends to the same file and whose
+clock starts again at 0) is its header, kind = "run", carrying the schema version and the
+settings the simulator replays with.
+
 Times are seconds since the run started (the controller's clock at launch), as floats; a
 duration is the difference of two of them unless it has its own `_s` field.
+
+kind = "run" (`RunTrace`): the header, the first record a process writes.
+    schema          int    the trace schema version (`TRACE_SCHEMA`); a reader refuses others
+    start_s         s      when it was written (about 0: the process's clock starts at launch)
+    source          str    "run" (recorded) or "synthetic" (made by the simulator's generator)
+    num_engines, trainer_world_size, mode, max_staleness, group_size, batch_groups,
+    target_in_flight, max_in_flight_per_engine, refill, partial, capacity_groups, filter,
+    on_stale, on_abort, eval_mode, eval_every, num_steps, transport
+                           the run's settings, as in the recipe (rollout.*, loop.*, buffer.*, ...)
+    The RL phase starts with the first train step's start_s: records before it (the weight
+    updates of an SFT warm start, a resumed run's first push) belong to the warm-up.
 
 kind = "sample" (`SampleTrace`): one attempt at one completion of one prompt.
     prompt_id      int    the prompt's dataset position (the refill scheduler's prompt id)
@@ -25,6 +40,9 @@ kind = "sample" (`SampleTrace`): one attempt at one completion of one prompt.
     dropped        str    "" when the sample counted (it went into its group); "engine_lost" for a
                           late reply from an engine already declared lost (the sample was reissued).
                           Group-level drops (aborted, filtered, stale) are the metrics' dropped_* keys
+    num_turns      int    engine calls of a multi-turn episode (1 for a single generation)
+    tool_s         s      time the episode spent outside the engine (tools, environment); 0.0
+                          when not measured
 
 kind = "train_step" (`StepTrace`): one optimiser step of the trainer.
     step            int    1-based optimiser step number
@@ -41,6 +59,8 @@ kind = "train_step" (`StepTrace`): one optimiser step of the trainer.
     staleness_mean  float  mean over the batch of (trainer version - oldest generating version)
     staleness_max   int    maximum of the same
     prompt_ids      list   the dataset positions of the groups trained in the step
+    train_end_s     s      when training finished (before the update and the write-down);
+                           0.0 in traces from before this field
 
 kind = "weight_update" (`UpdateTrace`): one broadcast of new weights to the engines.
     version    int    the weight version pushed
@@ -55,6 +75,8 @@ kind = "eval" (`EvalTrace`): one evaluation of the current policy.
     score        float  the task's score (its own scale; mean reward for most tasks)
     num_samples  int    samples evaluated
     mode         str    where: "shared" engines, a "dedicated" engine, or an external "command"
+    start_s      s      when it began (0.0 in traces from before this field)
+    end_s        s      when it ended; while a "shared" eval runs, rollouts and training wait
 
 Write with `logs.TraceLog`; read back with `decode_trace(path)`.
 """
@@ -65,7 +87,34 @@ from pathlib import Path
 
 import msgspec
 
-__all__ = ["EvalTrace", "SampleTrace", "StepTrace", "TraceRecord", "UpdateTrace", "decode_trace"]
+__all__ = ["TRACE_SCHEMA", "EvalTrace", "RunTrace", "SampleTrace", "StepTrace", "TraceRecord", "UpdateTrace", "decode_trace"]
+
+
+TRACE_SCHEMA = 1
+
+
+class RunTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="run"):
+    schema: int
+    start_s: float
+    source: str = "run"
+    num_engines: int
+    trainer_world_size: int
+    mode: str
+    max_staleness: int
+    group_size: int
+    batch_groups: int
+    target_in_flight: int
+    max_in_flight_per_engine: int | None = None
+    refill: str = "sample"
+    partial: str = "continue"
+    capacity_groups: int
+    filter: str
+    on_stale: str
+    on_abort: str
+    eval_mode: str = "none"
+    eval_every: int = 0
+    num_steps: int = 0
+    transport: str = ""
 
 
 class SampleTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="sample"):
@@ -81,6 +130,8 @@ class SampleTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", t
     reward: float = 0.0
     finish_reason: str
     dropped: str = ""
+    num_turns: int = 1
+    tool_s: float = 0.0
 
 
 class StepTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="train_step"):
@@ -96,6 +147,7 @@ class StepTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag
     staleness_mean: float
     staleness_max: int
     prompt_ids: list[int] = []  # the dataset positions of the groups trained
+    train_end_s: float = 0.0
 
 
 class UpdateTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="weight_update"):
@@ -112,9 +164,11 @@ class EvalTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag
     score: float
     num_samples: int
     mode: str
+    start_s: float = 0.0
+    end_s: float = 0.0
 
 
-TraceRecord = SampleTrace | StepTrace | UpdateTrace | EvalTrace
+TraceRecord = RunTrace | SampleTrace | StepTrace | UpdateTrace | EvalTrace
 
 # Built once: the decoder compiles its tagged-union dispatch on construction.
 _decoder = msgspec.json.Decoder(TraceRecord)
