@@ -28,6 +28,7 @@ BENCH_TARGETS = {
     "engine": "embedded-engine generation, side by side with HF generate",
     "weights": "weight transports, side by side with memcpy",
     "loop": "the RL loop, async side by side with sync",
+    "sim": "the simulator at scale, side by side with a bare event heap",
 }
 # Hugging Face's model_type names (miles_async.models.FAMILIES, not imported here to keep --help
 # fast); "qwen3-moe" is accepted for qwen3_moe.
@@ -60,6 +61,12 @@ def _bench(args: argparse.Namespace, extra: list[str]) -> int:
             raise  # the benchmark exists but something it imports is missing: show that
         return _not_implemented(f"bench {args.target}", args, extra)
     return module.main(extra)
+
+
+def _sim(args: argparse.Namespace, extra: list[str]) -> int:
+    from miles_async.sim.cli import main as sim_main
+
+    return sim_main(args)
 
 
 def _init_model(args: argparse.Namespace, extra: list[str]) -> int:
@@ -212,10 +219,25 @@ def build_parser() -> argparse.ArgumentParser:
     session.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
     session.add_argument("--port", type=int, default=8000, metavar="P", help="port (default: %(default)s)")
 
-    sim = _add_verb(
-        verbs, "sim", "replay a recorded trace in the simulator", functools.partial(_not_implemented, "sim")
-    )
-    sim.add_argument("trace", metavar="TRACE.jsonl", help="a run's trace.jsonl")
+    sim = _add_verb(verbs, "sim", "replay a recorded trace (or a synthetic scenario) in the simulator", _sim)
+    sim.add_argument("trace", nargs="?", metavar="TRACE.jsonl", help="a run's trace.jsonl (or .jsonl.gz)")
+    sim.add_argument("--synthetic", metavar="NAME", help="simulate a built-in planning scenario instead of a trace "
+                     "(agentic-64gpu, math-8gpu)")
+    sim.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="change a setting: num_engines=4, mode=sync, max_staleness=1, refill=group, "
+                     "gen.token_s=0.02, ... (repeatable)")
+    sim.add_argument("--sweep", action="append", metavar="KEY=V1,V2,...",
+                     help="one simulation per value, as a table (repeat for every combination)")
+    sim.add_argument("--costs", choices=("fitted", "replay"), default="fitted",
+                     help="time samples with the fitted cost models, or with their recorded durations "
+                     "(default: %(default)s)")
+    sim.add_argument("--segment", type=int, metavar="K", help="which segment of a resumed run's trace (default: "
+                     "the one with the most steps)")
+    sim.add_argument("--timeline", metavar="PNG", help="draw engines and trainer as lanes over time")
+    sim.add_argument("--window-steps", type=int, default=10, metavar="N",
+                     help="the timeline shows the last N steps, 0 for all (default: %(default)s)")
+    sim.add_argument("--sweep-plot", metavar="PNG", help="draw the sweep's metrics against its values")
+    sim.add_argument("--write", metavar="TRACE", help="save the simulated run as a trace (e.g. a synthetic one)")
     sim.add_argument("--json", action="store_true", help="print the report as JSON")
 
     bench = verbs.add_parser(

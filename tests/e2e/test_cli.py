@@ -54,7 +54,6 @@ def test_help_of_each_verb(verb: str) -> None:
     ("label", "command_line"),
     [
         ("launch", "launch --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 recipe.toml"),
-        ("sim", "sim trace.jsonl --json"),
     ],
 )
 def test_unwritten_verbs_say_so(label: str, command_line: str) -> None:
@@ -69,6 +68,8 @@ def test_unwritten_verbs_say_so(label: str, command_line: str) -> None:
     ("run nowhere.toml loop.num_stepz=3", "does not exist"),
     ("run nowhere.toml --resume", "--resume needs --out DIR"),
     ("plot no/such/run", "miles-async plot:"),
+    ("sim no/such/trace.jsonl", "miles-async sim:"),
+    ("sim", "miles-async sim: give a TRACE.jsonl to replay, or --synthetic NAME"),
     ("serve session --engine http://127.0.0.1:9", "cannot ask http://127.0.0.1:9 for its model"),
     ("serve session --engine http://127.0.0.1:9 --model no/such/dir", "cannot read the tokenizer"),
 ])
