@@ -286,7 +286,8 @@ class Controller:
         finally:
             await asyncio.to_thread(shutil.rmtree, manifest.folder, True)
         self.trace.write(UpdateTrace(version=report.version, start_s=start, end_s=self._now(),
-                                     transport=report.transport, num_bytes=report.num_bytes, paused_s=report.seconds))
+                                     transport=report.transport, num_bytes=report.num_bytes, paused_s=report.seconds,
+                                     target="eval" if pusher is not None and pusher is self.eval_pusher else "rollout"))
 
     async def _update_engines(self, manifest: Any) -> None:
         """The background half of a step's weight update: push, then tell the scheduler the engines moved."""

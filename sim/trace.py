@@ -28,7 +28,8 @@ What a `Trace` holds (the selected segment; records in file order):
     header    the segment's `RunTrace`, its `start_s` rebased to 0.0
     samples   every `SampleTrace`
     steps     every `StepTrace` (at least one)
-    updates   the `UpdateTrace`s of the RL phase: those that started at or after the first
+    updates   the rollout engines' `UpdateTrace`s (target "rollout"; a dedicated eval engine's
+              pushes are left out) of the RL phase: those that started at or after the first
               step's start_s (the warm-up's pushes are left out)
     evals     the `EvalTrace`s, less the warm-up's: those that ended (or, with no end recorded,
               started) before the first step's start_s. An eval with no times is kept
@@ -269,6 +270,10 @@ def _check_segment(path: str, header: RunTrace, records: list[TraceRecord], numb
             if r.end_s < r.start_s:
                 raise _error(path, numbers[i], "end_s", f"{r.end_s} is before start_s {r.start_s} "
                                                         f"(times must not go backwards)")
+            if r.target not in ("rollout", "eval"):
+                raise _error(path, numbers[i], "target", f"{r.target!r} is not 'rollout' or 'eval'")
+            if r.target != "rollout":
+                continue  # the dedicated eval engine's pushes have versions of their own order
             if prev_update is not None and r.version < prev_update.version:
                 raise _error(path, numbers[i], "version",
                              f"{r.version} is below the previous update's {prev_update.version} "
@@ -322,7 +327,7 @@ def _rebased(header: RunTrace, records: list[TraceRecord], lo: int, hi: int, pat
             steps.append(replace(r, start_s=r.start_s - t0, end_s=r.end_s - t0,
                                  train_end_s=te - t0 if te != 0.0 else 0.0))
         elif t is UpdateTrace:
-            if r.start_s >= rl_start:
+            if r.start_s >= rl_start and r.target == "rollout":  # a dedicated eval engine's pushes are its own
                 updates.append(replace(r, start_s=r.start_s - t0, end_s=r.end_s - t0))
         elif t is EvalTrace:
             s, e = r.start_s, r.end_s

@@ -69,6 +69,7 @@ kind = "weight_update" (`UpdateTrace`): one broadcast of new weights to the engi
     transport  str    how the weights travelled ("colocated", "broadcast", "shm", "disk_delta", "rdma")
     num_bytes  bytes  bytes sent (per engine, the tensor payload)
     paused_s   s      how long generation was paused for the update (0.0 if it was not)
+    target     str    whose engines: "rollout", or "eval" (the dedicated eval engine's own pushes)
 
 kind = "eval" (`EvalTrace`): one evaluation of the current policy.
     step         int    the train step whose weights were evaluated
@@ -157,6 +158,7 @@ class UpdateTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", t
     transport: str
     num_bytes: int
     paused_s: float = 0.0
+    target: str = "rollout"
 
 
 class EvalTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="eval"):

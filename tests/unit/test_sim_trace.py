@@ -288,3 +288,12 @@ def test_the_garbage_collector_is_left_as_found(tmp_path):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_dedicated_eval_engines_pushes_are_not_the_rollout_engines(tmp_path) -> None:
+    records = [*base(), UpdateTrace(version=2, start_s=12.6, end_s=12.9, transport="shm", num_bytes=8, target="eval")]
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", records))
+    assert [(u.version, u.target) for u in trace.updates] == [(1, "rollout"), (2, "rollout")]
+    records[-1] = UpdateTrace(version=2, start_s=12.6, end_s=12.9, transport="shm", num_bytes=8, target="x")
+    with pytest.raises(TraceError, match=r":10: field `target`: 'x' is not 'rollout' or 'eval'"):
+        load_trace(write_trace(tmp_path / "bad.jsonl", records))
