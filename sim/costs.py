@@ -20,8 +20,8 @@ the trace itself), `paused` the part of its lifetime that weight updates paused 
 simulator adds those pauses back itself) and `f` the fraction of it during which the trainer
 trained. The `shared_*` terms are what training costs generation when the two share hardware
 (colocated engines, or this CPU machine, where trainer and engine share two cores); with separate
-GPU pools they fit to about 0. A trace recorded in sync mode (nothing overlaps) cannot show them. `dispatch_s` is the median gap between a sample ending on an engine and the
-next one being submitted there.
+GPU pools they fit to about 0. A trace recorded in sync mode (nothing overlaps) cannot show them. `dispatch_s` is the median gap between what frees a slot or opens admission
+(a sample ending, an update committing, a step ending) and the submit that follows.
 
 Training (`TrainCost`): `base_s + per_token_s * tokens * fit_world_size / world_size` per step
 (data-parallel ranks split the token-proportional work; `base_s` is not split), plus
@@ -211,19 +211,21 @@ def _overlap(spans: list[tuple[float, float]]):
 
 
 def _dispatch_gap(trace: Trace) -> float:
-    """Median time from a sample ending on an engine to the next submit there (the refill's trip)."""
-    by_engine: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
-    for s in trace.samples:
-        if not s.dropped:
-            by_engine[s.engine][0].append(s.end_s)
-            by_engine[s.engine][1].append(s.submit_s)
+    """The scheduler's trip from a refill's cause to its submit: the median gap from the latest
+    event that can open a slot or admission (a sample ending on any engine, an update committing,
+    a train step ending) to each submit, over the gaps short enough to be a refill (under a quarter
+    of the median sample's duration; longer ones are engines idling, with no dispatch in them)."""
+    samples = [s for s in trace.samples if not s.dropped]
+    if not samples:
+        return 0.0
+    causes = sorted([s.end_s for s in samples] + [u.end_s for u in trace.updates]
+                    + [s.train_end_s or s.end_s for s in trace.steps])
+    limit = 0.25 * statistics.median(s.end_s - s.submit_s for s in samples)
     gaps = []
-    for ends, submits in by_engine.values():
-        ends.sort()
-        for submit in submits:
-            i = bisect.bisect_right(ends, submit) - 1
-            if i >= 0:
-                gaps.append(submit - ends[i])
+    for s in samples:
+        i = bisect.bisect_right(causes, s.submit_s) - 1
+        if i >= 0 and s.submit_s - causes[i] <= limit:
+            gaps.append(s.submit_s - causes[i])
     return statistics.median(gaps) if gaps else 0.0
 
 

@@ -38,6 +38,7 @@ class StepRecord(msgspec.Struct, kw_only=True):
     num_samples: int
     num_tokens: int
     staleness: list[int]  # per group trained
+    prompt_ids: list[int] = []
 
 
 class RunStats(msgspec.Struct, kw_only=True):

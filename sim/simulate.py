@@ -58,6 +58,11 @@ from miles_async.sim.report import RunStats, StepRecord, summarize
 from miles_async.sim.workload import SampleSpec, Workload
 
 MODES = {"sync": 0, "one_step_off": 1}
+_CHOICES = {"mode": ("sync", "one_step_off", "async"), "refill": ("sample", "group"),
+            "partial": ("continue", "abort_retry"), "filter": ("nonzero_std", "none"),
+            "on_stale": ("retry", "discard"), "on_abort": ("retry", "discard"), "costs": ("fitted", "replay")}
+# A run that trains nothing in this many batches' worth of samples is dropping everything.
+_STALL_BATCHES = 200
 
 
 class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -93,6 +98,12 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                 raise ValueError(f"SimConfig.{field} must be >= 1, got {getattr(self, field)}")
         if self.max_staleness < 0 or self.eval_every < 0:
             raise ValueError("SimConfig.max_staleness and eval_every must be >= 0")
+        for field, choices in _CHOICES.items():
+            if getattr(self, field) not in choices:
+                raise ValueError(f"SimConfig.{field} must be one of {', '.join(choices)}, got {getattr(self, field)!r}")
+        if self.max_in_flight_per_engine is not None and self.max_in_flight_per_engine < 1:
+            raise ValueError(f"SimConfig.max_in_flight_per_engine must be >= 1 or None, got "
+                             f"{self.max_in_flight_per_engine}")
         if self.batch_groups > self.capacity_groups:
             raise ValueError(f"SimConfig.batch_groups ({self.batch_groups}) > capacity_groups "
                              f"({self.capacity_groups}): a batch could never be drawn")
@@ -151,7 +162,7 @@ class _Sample:
         "request_id",
         "spec",
         "state",
-        "turn_tokens",
+        "tokens_left",
         "turn_tool_s",
         "turns_left",
         "versions",
@@ -166,9 +177,10 @@ class _Sample:
         self.spec = spec
         self.versions = [engine.version]
         self.issue_t = t
-        self.turns_left = spec.num_turns
-        self.turn_tokens = max(1, spec.output_tokens // spec.num_turns)
-        self.turn_tool_s = spec.tool_s / spec.num_turns
+        # Turns of whole tokens summing to output_tokens (the first ones one longer), none empty.
+        self.turns_left = max(1, min(spec.num_turns, spec.output_tokens))
+        self.tokens_left = spec.output_tokens
+        self.turn_tool_s = spec.tool_s / self.turns_left
         self.finish_work = 0.0
         self.state = 0  # 0 waiting (dispatch, prefill, tool), 1 decoding, 2 done
         self.loaded = False  # counted in its engine's load (in flight there, not in a tool call)
@@ -193,6 +205,7 @@ class _Engine:
         "name",
         "num_decoding",
         "paused",
+        "tick_t",
         "version",
         "work",
     )
@@ -207,6 +220,7 @@ class _Engine:
         self.last_t = 0.0
         self.paused = False
         self.gen = 0
+        self.tick_t: float | None = None  # when the valid pending wake-up is due
         self.issued: set[_Sample] = set()
         self.busy_since: float | None = None
         self.busy_s = 0.0
@@ -253,8 +267,13 @@ class Simulator:
         self.records: list = []
         self.done = False
         self.training = False  # the trainer is training: generation may be slower (GenCost.shared_*)
+        g = costs.gen
+        self._a, self._c = g.token_s, g.token_s_per_seq
+        self._train_a, self._train_c = g.token_s + g.shared_token_s, g.token_s_per_seq + g.shared_token_s_per_seq
         self.shared = costs.gen.shared_token_s > 0 or costs.gen.shared_token_s_per_seq > 0
         self._busy_at_first: dict[str, float] = {}
+        self._generated_at_step = 0
+        self._stall_samples = _STALL_BATCHES * config.batch_groups * config.group_size
         self._pending_tokens = 0
         self.push_start = 0.0
         self.eval_start = 0.0
@@ -331,30 +350,45 @@ class Simulator:
             sample.loaded = True
             engine.load += 1
         sample.state = 1
-        sample.finish_work = engine.work + sample.turn_tokens
+        turn_tokens = -(-sample.tokens_left // sample.turns_left)  # ceil: the remainder goes first
+        sample.tokens_left -= turn_tokens
+        sample.finish_work = engine.work + turn_tokens
         heapq.heappush(engine.active, (sample.finish_work, sample.request_id, sample))
         engine.num_decoding += 1
         self._schedule(engine)
 
+    def _step_s(self, engine: _Engine) -> float:
+        """`GenCost.step_s` for the engine now, inlined (it is asked several times per turn)."""
+        n = engine.load if engine.load > engine.num_decoding else engine.num_decoding  # noqa: FURB136 - hot: no call
+        return self._train_a + self._train_c * n if self.training else self._a + self._c * n
+
     def _advance(self, engine: _Engine) -> None:
         if engine.num_decoding and not engine.paused:
-            engine.work += (self.t - engine.last_t) / self.costs.gen.step_s(max(engine.load, engine.num_decoding),
-                                                                             self.training)
+            engine.work += (self.t - engine.last_t) / self._step_s(engine)
         engine.last_t = self.t
 
     def _schedule(self, engine: _Engine) -> None:
-        engine.gen += 1
+        """Make sure the engine wakes by its next finish. A pending wake-up that is no later is kept
+        (it may come early: `_tick` then finds nothing done and schedules again), which spares a
+        heap entry per load change: an engine's load changes with every sample it starts or ends."""
         active = engine.active
         while active and active[0][2].state != 1:
             heapq.heappop(active)  # aborted
-        if active and not engine.paused:
-            dt = max(active[0][0] - engine.work, 0.0) * self.costs.gen.step_s(max(engine.load, engine.num_decoding),
-                                                                               self.training)
-            self._at(self.t + dt, _TICK, engine, engine.gen)
+        if not active or engine.paused:
+            return
+        left = active[0][0] - engine.work
+        at = self.t + left * self._step_s(engine) if left > 0 else self.t
+        if engine.tick_t is not None and engine.tick_t <= at:
+            return
+        engine.gen += 1
+        engine.tick_t = at
+        self.seq += 1
+        heapq.heappush(self.heap, (at, self.seq, _TICK, engine, engine.gen))
 
     def _tick(self, engine: _Engine, gen: int) -> None:
         if gen != engine.gen:
             return  # rescheduled since
+        engine.tick_t = None
         self._advance(engine)
         active = engine.active
         limit = engine.work + 1e-9
@@ -369,10 +403,9 @@ class Simulator:
             if sample.turn_tool_s > 0:
                 sample.loaded = False  # off the engine while its tool runs
                 engine.load -= 1
-            if sample.turns_left:
-                self._at(self.t + delay, _START, sample)
-            elif delay > 0:
-                self._at(self.t + delay, _FINISH, sample)
+            if sample.turns_left or delay > 0:
+                self.seq += 1
+                heapq.heappush(self.heap, (self.t + delay, self.seq, _START if sample.turns_left else _FINISH, sample, 0))
             else:
                 self._finish(sample, 0)
         self._schedule(engine)
@@ -397,6 +430,11 @@ class Simulator:
                               reward=spec.reward, aborted=aborted, num_output_tokens=spec.output_tokens,
                               payload=spec.prompt_tokens + spec.output_tokens)
         self._issue(self.refill.on_sample_done(sample.request_id, self.t))
+        if self.num_generated - self._generated_at_step > self._stall_samples:
+            raise RuntimeError(
+                f"no train step in the last {self.num_generated - self._generated_at_step} samples (step "
+                f"{len(self.steps)} of {self.config.num_steps}, t={self.t:.3f}s): every group is dropped "
+                f"({dict(self.dropped)}); with filter=nonzero_std a group whose rewards are all equal is dropped")
         key = (sample.prompt_id, sample.attempt)
         members = self.partial.setdefault(key, [])
         members.append(record)
@@ -494,12 +532,13 @@ class Simulator:
 
     def _train_done(self, _obj: object, _gen: int) -> None:
         self._set_training(False)
+        self._generated_at_step = self.num_generated
         self.version += 1
         groups, self.batch = self.batch, []
         staleness = [g.staleness(self.version - 1) for g in groups]
         step = StepRecord(step=len(self.steps) + 1, ask_s=self.ask_t, train_start_s=self.train_start, train_end_s=self.t,
                           num_samples=sum(len(g.samples) for g in groups), num_tokens=self._pending_tokens,
-                          staleness=staleness)
+                          staleness=staleness, prompt_ids=[g.prompt_id for g in groups])
         self.steps.append(step)
         if len(self.steps) == 1:
             self._busy_at_first = {e.name: e.busy_s + (self.t - e.busy_since if e.busy_since is not None else 0.0)
@@ -510,6 +549,8 @@ class Simulator:
         self._issue(self.refill.on_trainer_step(self.version, [g.prompt_id for g in groups], self.t))
         if len(self.steps) >= self.config.num_steps:
             self.done = True
+            if self.record:
+                self._record_step(self.t)
             return
         self.trainer_state = "export"
         self.export_start = self.t
@@ -527,19 +568,23 @@ class Simulator:
         if self.record:
             self.intervals.append(Interval(lane="trainer", start=self.export_start, end=self.t, kind="export"))
             self.intervals.append(Interval(lane="weights", start=self.t, end=self.t + update.push_s, kind="push"))
-            self.records.append(StepTrace(
-                step=len(self.steps), weight_version=self.version, start_s=self.ask_t, end_s=self.t,
-                wait_data_s=self.train_start - self.ask_t, train_s=self.steps[-1].train_end_s - self.train_start,
-                update_s=self.t - self.export_start, num_samples=self.steps[-1].num_samples,
-                num_tokens=self.steps[-1].num_tokens,
-                staleness_mean=sum(self.steps[-1].staleness) / len(self.steps[-1].staleness),
-                staleness_max=max(self.steps[-1].staleness), train_end_s=self.steps[-1].train_end_s))
+            self._record_step(self.export_start)
         if update.paused_s > 0 and self.config.costs != "replay":
             self._at(self.t + update.push_s - update.paused_s, _PAUSE, self.version)
         self._at(self.t + update.push_s, _COMMIT, self.version)
         self.push_start = self.t
         self.trainer_state = "pushed"
         self._after_update()
+
+    def _record_step(self, export_start: float) -> None:
+        """The last step's trace record, written once its update is under way (or the run is over)."""
+        step = self.steps[-1]
+        self.records.append(StepTrace(
+            step=step.step, weight_version=self.version, start_s=step.ask_s, end_s=self.t,
+            wait_data_s=step.train_start_s - step.ask_s, train_s=step.train_end_s - step.train_start_s,
+            update_s=self.t - export_start, num_samples=step.num_samples, num_tokens=step.num_tokens,
+            staleness_mean=sum(step.staleness) / len(step.staleness), staleness_max=max(step.staleness),
+            prompt_ids=list(step.prompt_ids), train_end_s=step.train_end_s))
 
     def _after_update(self) -> None:
         every = self.config.eval_every
@@ -577,6 +622,7 @@ class Simulator:
             self._advance(engine)
             engine.paused = True
             engine.gen += 1  # its next tick is off until the commit
+            engine.tick_t = None
             if self.record and engine.lane_count:
                 self.intervals.append(Interval(lane=engine.name, start=self.t,
                                                end=self.t + self.costs.update.paused_s, kind="paused"))
@@ -588,21 +634,25 @@ class Simulator:
             self.records.append(UpdateTrace(version=version, start_s=self.push_start, end_s=self.t,
                                             transport="simulated", num_bytes=0,
                                             paused_s=self.costs.update.paused_s))
+        # Every engine takes the version first; only then are the samples that were in flight
+        # aborted (their slots refill at once, and must not land on an engine still to be updated).
+        in_flight: list[_Sample] = []
         for engine in self.engines.values():
             self._advance(engine)
             engine.paused = False
             engine.version = version
-            in_flight = list(engine.issued)
+            in_flight.extend(engine.issued)
+        in_flight.sort(key=lambda sample: sample.request_id)
+        for sample in in_flight:
             if abort:
-                for sample in sorted(in_flight, key=lambda s: s.request_id):
-                    if sample.state == 1:
-                        engine.num_decoding -= 1
-                    self._finish(sample, 0, aborted=True)
-            else:
-                for sample in in_flight:
-                    if sample.versions[-1] != version:
-                        sample.versions.append(version)
+                if sample.state == 1:
+                    sample.engine.num_decoding -= 1
+                self._finish(sample, 0, aborted=True)
+            elif sample.versions[-1] != version:
+                sample.versions.append(version)
+        for engine in self.engines.values():
             self._schedule(engine)
+        for engine in self.engines.values():
             self._issue(self.refill.on_weight_version(engine.name, version, self.t))
         self.push_version = None
         if self.trainer_state == "settle":

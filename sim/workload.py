@@ -14,12 +14,12 @@ a `SampleSpec`. Two workloads:
 from __future__ import annotations
 
 import functools
-import math
 import random
 from collections import defaultdict
 from typing import Protocol
 
 import msgspec
+import numpy as np
 
 from miles_async.sim.trace import Trace
 
@@ -107,39 +107,41 @@ class SyntheticWorkload(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             raise ValueError("SyntheticWorkload sigmas and tool_s_median must be >= 0")
 
     def spec(self, prompt_id: int, index: int, attempt: int) -> SampleSpec:
-        draw = _Draws(_mix(self.seed, prompt_id, index, attempt))
-        turns = self.turns_min + int(draw.uniform() * (self.turns_max - self.turns_min + 1))
-        tokens = sum(min(max(1, round(self.tokens_median * math.exp(draw.gauss() * self.tokens_sigma))),
-                         self.max_tokens_per_turn) for _ in range(turns))
-        tool_s = sum(self.tool_s_median * math.exp(draw.gauss() * self.tool_s_sigma) for _ in range(turns)) \
-            if self.tool_s_median > 0 else 0.0
-        return SampleSpec(output_tokens=tokens, reward=float(draw.uniform() < self._difficulty(prompt_id)),
-                          prompt_tokens=self.prompt_tokens, num_turns=turns, tool_s=tool_s)
+        return _block(self, prompt_id, attempt, index // _BLOCK)[index % _BLOCK]
 
-    def _difficulty(self, prompt_id: int) -> float:
-        return _difficulty(self.seed, self.success_rate, prompt_id)
+
+_BLOCK = 16  # samples drawn together: a group's n samples come from one generator
+
+
+@functools.lru_cache(maxsize=8192)
+def _block(w: SyntheticWorkload, prompt_id: int, attempt: int, block: int) -> tuple[SampleSpec, ...]:
+    """The specs of samples block*16 .. block*16+15 of one prompt's attempt, from one generator
+    seeded by (seed, prompt, attempt, block): the same key always gives the same sample, in any
+    order of asking, and seeding once per group instead of per sample keeps this cheap."""
+    rng = np.random.default_rng([w.seed, prompt_id, attempt, block])
+    turns = rng.integers(w.turns_min, w.turns_max + 1, _BLOCK)
+    starts = np.concatenate(([0], np.cumsum(turns)[:-1]))
+    per_turn = np.clip(np.rint(w.tokens_median * np.exp(rng.standard_normal(int(turns.sum())) * w.tokens_sigma)),
+                       1, w.max_tokens_per_turn)
+    tokens = np.add.reduceat(per_turn, starts)
+    if w.tool_s_median > 0:
+        tool = np.add.reduceat(w.tool_s_median * np.exp(rng.standard_normal(int(turns.sum())) * w.tool_s_sigma), starts)
+    else:
+        tool = np.zeros(_BLOCK)
+    rewards = rng.random(_BLOCK) < _difficulty(w.seed, w.success_rate, prompt_id)
+    return tuple(SampleSpec(output_tokens=int(tokens[i]), reward=float(rewards[i]), prompt_tokens=w.prompt_tokens,
+                            num_turns=int(turns[i]), tool_s=float(tool[i])) for i in range(_BLOCK))
 
 
 @functools.lru_cache(maxsize=65536)
 def _difficulty(seed: int, success_rate: float, prompt_id: int) -> float:
-    """A prompt's success probability, shared by its group: what makes whole groups agree (and the
-    filter drop them). Beta-distributed around `success_rate`; cached, as a group asks n times."""
+    """A prompt's success probability, shared by its group (all its attempts): what makes whole
+    groups agree, and the filter drop them. Beta-distributed around `success_rate`."""
     rng = random.Random(_mix(seed, prompt_id, 1 << 40))
     return rng.betavariate(2 * success_rate + 0.01, 2 * (1 - success_rate) + 0.01)
 
 
-class _Draws:
-    """A splitmix64 stream: cheap to seed per sample (random.Random's seeding costs ~5 us)."""
-
-    __slots__ = ("state",)
-
-    def __init__(self, seed: int) -> None:
-        self.state = seed
-
-    def uniform(self) -> float:
-        self.state = (self.state + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-        return (_mix(self.state) >> 11) * (1.0 / (1 << 53))
-
-    def gauss(self) -> float:
-        u = self.uniform()
-        return math.sqrt(-2.0 * math.log(1.0 - u)) * math.cos(2.0 * math.pi * self.uniform())
+def clear_caches() -> None:
+    """Forget the synthetic samples drawn so far (they are cached per group): a cold start."""
+    _block.cache_clear()
+    _difficulty.cache_clear()
