@@ -29,19 +29,15 @@ cold (the workload's per-prompt cache cleared). The simulator is single-threaded
 what it uses whatever `cpus_allowed` (`os.sched_getaffinity`) says. `meets_target`:
 `sim_s < 10 * samples / 100000` (the issue's 10 s, scaled to the count asked).
 
-Last measured here (2 cores, shared, load 1.3; defaults, `--repeat 3`, best of 3):
-  math-8gpu     25 steps, 139,167 samples generated (102,400 trained), 513k events (3.7 a sample):
-                4.38 s (median 4.56) vs 0.44 s for the bare heap, ratio 9.9; 31.7k samples/s,
-                1,230 simulated s per wall s; 3.15 s per 100k generated: meets the 10 s target.
-  agentic-64gpu 25 steps, 143,096 samples generated, 4.99M events (34.8 a sample: 4-20 turns,
-                each a start and its ticks): 18.5 s (median 19.4) vs 4.29 s, ratio 4.3; 7.7k
-                samples/s, 5,830 simulated s per wall s; 13.0 s per 100k generated: misses it.
-Where agentic's time goes: drawing the samples (`SyntheticWorkload.spec`, a pure-Python
-splitmix64 stream, two log-normal draws per turn) is 5.05 s of it timed alone over the same
-143k samples (28%); 1.41M of the 3.12M engine ticks (28% of all events) are stale, superseded by
-a reschedule before they fire, each a push, a pop and a call; cProfile (inflated 2.8x by its own
-per-call cost) puts the rest in `Simulator._tick`, `_start`, `_schedule`, `_advance` and the
-run loop's dispatch, and under 10% in the refill and buffer policies.
+Last measured here (2 cores, machine otherwise idle; defaults, one round):
+  math-8gpu     25 steps, 140,240 samples generated (102,400 trained), 311k events (2.2 a sample):
+                4.7 s vs 0.30 s for the bare heap; meets the 10 s target.
+  agentic-64gpu 25 steps, 143,264 samples generated, 4.40M events (30.7 a sample: 4-20 turns,
+                each a start, its ticks and a tool call): 13.4 s vs 4.9 s for the bare heap,
+                ratio 2.7: over 10 s, as 100k agentic episodes are 1.2M engine calls.
+Where agentic's time goes (cProfile): the engines' per-turn bookkeeping (`Simulator._tick`,
+`_start`, `_schedule`, `_advance`) and the run loop's dispatch; the refill and buffer policies
+are under 10%, drawing the samples (numpy, one generator per group) about 8%.
 
 Prints one JSON object on stdout (indented without `--json`); progress goes to stderr.
 
