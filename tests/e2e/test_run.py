@@ -23,6 +23,7 @@ from miles_async.actors.engine import EngineStatus
 from miles_async.actors.recipe import load_recipe
 from miles_async.observe import SampleTrace, StepTrace, decode_trace
 from miles_async.runtime import run as run_async
+from miles_async.sim import load_trace
 
 pytestmark = pytest.mark.slow
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "reverse.toml"
@@ -58,8 +59,12 @@ def test_the_recipe_runs_and_writes_metrics_trace_checkpoint_and_plots(tmp_path)
     assert [r["step"] for r in metrics] == [1, 2, 3, 4]
     assert all(r["num_samples"] == 8 and 0 <= r["reward_mean"] <= 1 and r["step_s"] > 0 for r in metrics)
     assert "eval_score" in metrics[1] and "eval_score" not in metrics[0]
-    kinds = {type(r).__name__ for r in decode_trace(out / "trace.jsonl")}
-    assert kinds == {"SampleTrace", "StepTrace", "UpdateTrace", "EvalTrace"}
+    records = decode_trace(out / "trace.jsonl")
+    assert {type(r).__name__ for r in records} == {"RunTrace", "SampleTrace", "StepTrace", "UpdateTrace", "EvalTrace"}
+    assert type(records[0]).__name__ == "RunTrace" and records[0].batch_groups == 2  # the header, first
+    trace = load_trace(out / "trace.jsonl")  # what the simulator reads: checked, the warm start left out
+    assert len(trace.steps) == 4 and all(0 < s.train_end_s <= s.end_s for s in trace.steps)
+    assert [e.step for e in trace.evals] == [2, 4] and all(e.end_s > e.start_s > 0 for e in trace.evals)
     assert any((out / "checkpoints").iterdir()) and (out / "sft_model" / "model.safetensors").is_file()
     plots = run_cli(["plot", str(out)])
     assert plots.returncode == 0, plots.stderr
