@@ -3,7 +3,7 @@
 This folder holds the rollout worker, the refill scheduler, the buffer, the trainer rank, the
 weight pusher, the evaluator, the router and the controller that wires them together (DESIGN.md,
 "The RL loop"). Written so far: the loop's actors, `scheduler.RefillScheduler` (sample-level
-refill with admission control), `rollout.RolloutWorker` (generate and score one sample),
+or group-level refill with admission control), `rollout.RolloutWorker` (generate and score one sample),
 `buffer.Buffer` (bounded, filters and staleness), `trainer.TrainerRank` / `trainer.TrainerGroup`
 (FSDP2 ranks, one process each), `engine.EngineActor` (an embedded engine and its side of weight
 updates), `weights.WeightPusher` (each version to the engines over the recipe's transport); the

@@ -8,7 +8,8 @@ Consumes `PutGroup` (a complete group of n samples) and `GetBatch` (B groups for
 its current version); produces `PutReply` and `Batch`, and tells the scheduler which prompts
 were dropped and whether to generate them again (`GroupsDropped`). The decisions are
 `policies.buffer.BufferPolicy`'s; this actor adds waiting: a full buffer keeps a `PutGroup`
-unanswered until a `GetBatch` makes room (so the scheduler's slots stay taken: backpressure),
+unanswered until a `GetBatch` makes room (backpressure on the scheduler's put; its sample slots were
+already freed, and admission control still bounds the groups pending),
 and a `GetBatch` waits until B groups are there (or its timeout passes: it then answers with
 what is there only if `allow_partial`). The sample data (token ids, log-probs) rides in the
 group as `SampleOut` payloads, plain lists, never tensors.

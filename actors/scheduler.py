@@ -1,4 +1,5 @@
-"""`RefillScheduler`: keeps the engines busy with rollouts, one sample at a time (sample-level refill).
+"""`RefillScheduler`: keeps the engines busy with rollouts, one sample at a time (sample-level refill by
+default; `RefillConfig.refill = "group"` frees a group's slots together, for comparison).
 
     dataset ──► RefillScheduler ──Rollout──► RolloutWorker(s) ──► engines
                    ▲      │ SampleOut

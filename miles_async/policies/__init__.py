@@ -3,7 +3,8 @@
 `staleness`: the one staleness formula (`v - min(versions)`) and admission control, shared by
 the buffer, the refill scheduler and the simulator. `buffer`: which finished groups to keep, drop
 (aborted, filtered, stale: retried or discarded) or hand to the trainer, bounded, with per-step
-metrics. `refill`: sample-level refill, which prompt sample to generate next and on which engine.
+metrics. `refill`: sample- (or group-) level refill, which prompt sample to generate next and on which
+engine.
 No I/O, no sleeping and no sockets here: the actors wrap these, and `sim/` drives them on a
 `VirtualClock`.
 """

@@ -2,8 +2,8 @@
 
 `BufferPolicy` is pure: the buffer actor passes it groups and `clock.now()`, and acts on what it
 returns. Bounded: it holds at most `capacity_groups` groups. When full, `put` takes nothing and
-answers "full"; the actor then blocks the producer (it stops acknowledging finished groups, so the
-refill scheduler's slots stay taken) until a `get` makes room. Nothing is evicted to make room.
+answers "full"; the actor then blocks the producer (it stops acknowledging finished groups; admission
+control still bounds the groups pending) until a `get` makes room. Nothing is evicted to make room.
 
     policy = BufferPolicy(BufferConfig(capacity_groups=8, max_staleness=1))
     policy.put(group, now=clock.now())            # PutDecision(status="accepted")
