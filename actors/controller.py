@@ -44,7 +44,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -76,11 +76,12 @@ from miles_async.observe import (
     UpdateTrace,
 )
 from miles_async.policies.refill import RefillConfig
-from miles_async.runtime import ActorRef, ActorSystem, RuntimeConfig
+from miles_async.runtime import ActorRef, ActorSystem, RestartPolicy, RuntimeConfig
 from miles_async.tasks import calculator
 from miles_async.tasks.reverse import Prompt, is_correct, prompts, sft_examples
 from miles_async.trainer import checkpoint
 from miles_async.trainer.config import TrainerConfig
+from miles_async.trainer.fsdp import free_port
 from miles_async.trainer.packing import TrainSample
 
 log = logging.getLogger("miles_async.actors.controller")
@@ -115,6 +116,41 @@ def to_train_sample(sample: SampleOut, group: int) -> TrainSample:
                        routed_experts=sample.routed_experts)
 
 
+class Spawner(Protocol):
+    """Starts an actor in a new process on one node (`ActorSystem.spawn(..., process=True)` on this
+    one; `miles_async.launch.agent.RemoteSpawner` on another), and finds a free port there."""
+
+    async def spawn(self, cls: type, name: str, *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                    restart: RestartPolicy | None = None) -> ActorRef: ...
+
+    async def free_port(self) -> int: ...
+
+
+class LocalSpawner:
+    """`Spawner` for the controller's own node."""
+
+    def __init__(self, system: ActorSystem, host: str = "127.0.0.1") -> None:
+        self.system = system
+        self.host = host
+
+    async def spawn(self, cls: type, name: str, *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                    restart: RestartPolicy | None = None) -> ActorRef:
+        return await self.system.spawn(cls, name, args=args, kwargs=kwargs, process=True, restart=restart)
+
+    async def free_port(self) -> int:
+        return free_port(self.host)
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One node of the run: its rank, the address its processes bind and are reached at, and how to
+    start a process there. A one-node run (`miles-async run`) is node 0 on 127.0.0.1."""
+
+    rank: int
+    host: str
+    spawner: Spawner
+
+
 @dataclass(slots=True)
 class _Launched:
     """A step whose batch is training: what the controller writes down when it finishes."""
@@ -137,7 +173,8 @@ class Controller:
     """One run (module docstring): `await Controller(config, run_dir).run()`."""
 
     def __init__(self, config: RunConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
-                 runtime: RuntimeConfig | None = None) -> None:
+                 runtime: RuntimeConfig | None = None, system: ActorSystem | None = None,
+                 nodes: dict[int, Node] | None = None) -> None:
         self.config = config
         self.run_dir = Path(run_dir)
         self.resume = resume
@@ -145,7 +182,12 @@ class Controller:
         self.runtime = runtime or RuntimeConfig(ask_timeout_s=ASK_S, spawn_timeout_s=120.0)
         self.stop = asyncio.Event()
         self.start_time = time.time()
-        self.system: ActorSystem | None = None
+        self.system: ActorSystem | None = system  # given: a multi-node run's (the launcher owns it)
+        self.nodes = nodes
+        missing = sorted(config.placement.nodes - set(nodes or {0: None}))
+        if missing:
+            raise ValueError(f"placement puts work on node(s) {missing} but the run's nodes are "
+                             f"{sorted(nodes or {0: None})}: launch that many nodes or change [placement]")
         self.engines: list[ActorRef] = []
         self.engine_urls: dict[str, str] = {}
         self.eval_engine: ActorRef | None = None
@@ -209,12 +251,22 @@ class Controller:
         r, w = cfg.rollout, cfg.weights
         engine_cfg = msgspec.structs.replace(r.engine, shared_weights=w.transport == "shm",
                                              double_buffer=w.double_buffer)
+        nodes = self.nodes
+        assert nodes is not None
         names = [f"engine-{i}" for i in range(r.num_engines)]
+        placed = [nodes[cfg.placement.engine_node(i)] for i in range(r.num_engines)]
         if cfg.eval.mode == "dedicated":
             names.append("eval-engine")
-        spawns = [system.spawn(EngineActor, name, process=True, args=(str(self.model_dir), engine_cfg),
-                               kwargs={"http_port": 0, "num_threads": r.engine_threads}) for name in names]
-        trainer_spawn = TrainerGroup.spawn(system, self._trainer_config(), cfg.trainer.world_size)
+            placed.append(nodes[0])
+        spawns = [node.spawner.spawn(EngineActor, name, args=(str(self.model_dir), engine_cfg),
+                                     kwargs={"http_host": node.host, "http_port": 0, "num_threads": r.engine_threads})
+                  for name, node in zip(names, placed)]
+        trainer_node = nodes[cfg.placement.trainer]
+        trainer_spawn = TrainerGroup.spawn(
+            system, self._trainer_config(), cfg.trainer.world_size, master_addr=trainer_node.host,
+            master_port=await trainer_node.spawner.free_port(),
+            spawner=None if trainer_node.rank == 0 and isinstance(trainer_node.spawner, LocalSpawner)
+            else trainer_node.spawner)
         *engines, self.trainer = await asyncio.gather(*spawns, trainer_spawn)
         if cfg.eval.mode == "dedicated":
             self.eval_engine = engines.pop()
@@ -223,6 +275,7 @@ class Controller:
             state = await ref.ask(EngineStatus(), timeout_s=ASK_S)
             self.engine_urls[ref.name] = state.url
         sync = WeightSyncConfig(family=self.family, transport=w.transport, bucket_mib=w.bucket_mib, verify=w.verify,
+                                host=nodes[0].host,
                                 pause_mode="in_place" if r.partial == "continue" else "abort",
                                 delta_dir=str(self.run_dir / "deltas"))
         self.pusher = await system.spawn(WeightPusher, "pusher", args=([e.name for e in engines], sync))
@@ -574,8 +627,12 @@ class Controller:
                 loop.add_signal_handler(sig, self._on_signal)
         interrupted = False
         try:
-            async with ActorSystem("controller", config=self.runtime) as system:
-                self.system = system
+            async with contextlib.AsyncExitStack() as stack:
+                if self.system is None:  # one node: this run's own actor system
+                    self.system = await stack.enter_async_context(ActorSystem("controller", config=self.runtime))
+                system = self.system
+                if self.nodes is None:
+                    self.nodes = {0: Node(rank=0, host="127.0.0.1", spawner=LocalSpawner(system))}
                 await self._spawn(system)
                 if self.agentic:  # the TITO session server, in this process, routing sessions to the engines
                     self.sessions = SessionServer([self.engine_urls[e.name] for e in self.engines], str(self.model_dir))

@@ -10,6 +10,7 @@
     [trainer]  TrainerConfig (without model_dir: the run sets it)
     [weights]  WeightSyncConfig (without family: read from the model)
     [eval]     none | shared | dedicated | command, every N steps
+    [placement] multi-node runs: the node of each engine and of the trainer ranks
 
 `load_recipe(path, overrides)` reads the file and applies `key=value` overrides (dotted keys,
 TOML values: `loop.num_steps=20`, `rollout.sampling.temperature=0.7`, `eval.mode="shared"`).
@@ -129,6 +130,29 @@ class EvalSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     command: str = ""  # mode "command": run with {checkpoint} replaced; its last stdout line is {"score": x}
 
 
+class PlacementSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Which node runs what, in a multi-node run (`miles-async launch`; `run` is one node: all 0).
+
+    engines: the node rank of each engine, in order (cycled when shorter than rollout.num_engines;
+        [] puts every engine on the controller's node, 0). trainer: the node of all trainer ranks.
+    The controller, scheduler, buffer, weight pusher and session server run on node 0.
+    """
+
+    engines: list[int] = []
+    trainer: int = 0
+
+    def __post_init__(self) -> None:
+        if any(n < 0 for n in self.engines) or self.trainer < 0:
+            raise ValueError(f"placement node ranks must be >= 0, got engines={self.engines} trainer={self.trainer}")
+
+    def engine_node(self, index: int) -> int:
+        return self.engines[index % len(self.engines)] if self.engines else 0
+
+    @property
+    def nodes(self) -> set[int]:
+        return {0, self.trainer, *self.engines}
+
+
 class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: ModelSection = ModelSection()
     task: TaskSection = TaskSection()
@@ -140,6 +164,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     trainer: TrainerSection = TrainerSection()
     weights: WeightsSection = WeightsSection()
     eval: EvalSection = EvalSection()
+    placement: PlacementSection = PlacementSection()
 
     def __post_init__(self) -> None:
         if self.loop.num_steps < 0 or self.loop.batch_groups < 1:
@@ -155,6 +180,11 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                              "(e.g. miles_async.tasks.calculator:agent and :CalculatorEnv), and only it does")
         if self.agent.agent and not self.agent.environment:
             raise ValueError("[agent] agent needs [agent] environment (a dotted path)")
+        remote_engines = any(n != 0 for n in self.placement.engines)
+        if remote_engines and self.weights.transport in ("shm", "colocated"):
+            raise ValueError(f"weights.transport = {self.weights.transport!r} needs the engines on the controller's node; "
+                             "with placement.engines on other nodes use \"broadcast\" or \"disk_delta\" (a shared "
+                             "filesystem)")
         if self.eval.mode == "command" and not self.eval.command:
             raise ValueError('eval.mode = "command" needs eval.command (with {checkpoint} where the folder goes)')
 

@@ -203,19 +203,24 @@ class TrainerGroup:
     async def spawn(cls, system: ActorSystem, config: TrainerConfig, world_size: int | None = None, *,
                     name: str = "trainer", rank_cls: type[TrainerRank] = TrainerRank,
                     master_addr: str = "127.0.0.1", master_port: int | None = None,
-                    restart: RestartPolicy | None = None) -> TrainerGroup:
+                    restart: RestartPolicy | None = None, spawner: Any = None) -> TrainerGroup:
         """Spawn `world_size` ranks (default: `config.world_size`), each in its own process,
         named `<name>-<rank>`.
 
         They are spawned concurrently: each rank's `on_start` waits in the rendezvous for the
-        others. Raises `SpawnError` if any rank fails to start.
+        others. Raises `SpawnError` if any rank fails to start. `spawner` (an object with the `spawn`
+        of `actors.controller.Spawner`) starts them on another node; `master_addr` is then that node's.
         """
         world_size = config.world_size if world_size is None else world_size
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         port = master_port or free_port(master_addr)
-        spawns = [system.spawn(rank_cls, f"{name}-{rank}", process=True, restart=restart,
-                               args=(config, rank, world_size, master_addr, port)) for rank in range(world_size)]
+        if spawner is None:
+            spawns = [system.spawn(rank_cls, f"{name}-{rank}", process=True, restart=restart,
+                                   args=(config, rank, world_size, master_addr, port)) for rank in range(world_size)]
+        else:
+            spawns = [spawner.spawn(rank_cls, f"{name}-{rank}", restart=restart,
+                                    args=(config, rank, world_size, master_addr, port)) for rank in range(world_size)]
         results = await asyncio.gather(*spawns, return_exceptions=True)
         refs = [r for r in results if isinstance(r, ActorRef)]
         errors = [r for r in results if isinstance(r, BaseException)]

@@ -13,7 +13,6 @@ Try it: `miles-async --help`, `miles-async bench runtime --json`.
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import sys
 from collections.abc import Callable, Sequence
@@ -61,6 +60,12 @@ def _bench(args: argparse.Namespace, extra: list[str]) -> int:
             raise  # the benchmark exists but something it imports is missing: show that
         return _not_implemented(f"bench {args.target}", args, extra)
     return module.main(extra)
+
+
+def _launch(args: argparse.Namespace, extra: list[str]) -> int:
+    from miles_async.launch.launcher import main as launch_main
+
+    return launch_main(args)
 
 
 def _sim(args: argparse.Namespace, extra: list[str]) -> int:
@@ -179,17 +184,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a config field by dotted path",
     )
 
-    launch = _add_verb(
-        verbs,
-        "launch",
-        "start this node's part of a multi-node run",
-        functools.partial(_not_implemented, "launch"),
-    )
+    launch = _add_verb(verbs, "launch", "start this node's part of a multi-node run (one launcher per node)", _launch)
     launch.add_argument("--nnodes", type=int, required=True, metavar="N", help="number of nodes")
     launch.add_argument("--node-rank", type=int, required=True, metavar="R", help="this node's rank, 0..N-1")
     launch.add_argument("--master-addr", required=True, metavar="A", help="address of node 0")
     launch.add_argument("--master-port", type=int, required=True, metavar="P", help="port on node 0")
-    launch.add_argument("recipe", metavar="RECIPE.toml", help="the recipe")
+    launch.add_argument("recipe", metavar="RECIPE.toml", help="the recipe (the same on every node)")
+    launch.add_argument("--host", metavar="H",
+                        help="this node's address, as the others reach it (default: the one on the route to A)")
+    launch.add_argument("--secret-file", metavar="F",
+                        help="the run's shared secret (default: the MILES_ASYNC_SECRET environment variable)")
+    launch.add_argument("--rdzv-timeout-s", type=float, default=120.0, metavar="S",
+                        help="how long the nodes may take to arrive (default: %(default)s)")
+    launch.add_argument("--out", metavar="DIR", help="run directory, on node 0 (default: a new folder under runs/)")
+    launch.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    launch.add_argument("--quiet", action="store_true", help="no live progress display, warnings only")
+    launch.add_argument("overrides", nargs="*", type=_key_value, metavar="key=value",
+                        help="override a config field by dotted path")
 
     serve = verbs.add_parser(
         "serve", help="serve an engine or a session server", description="Serve over HTTP."

@@ -1,0 +1,188 @@
+"""`miles-async launch`: one launcher per node, torchrun style; together they run one recipe.
+
+    node 0:  miles-async launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 R.toml
+    node 1:  miles-async launch --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 R.toml
+
+Every launcher holds the run's shared secret (`--secret-file`, or `MILES_ASYNC_SECRET`). Then:
+
+1. Rendezvous (`rendezvous.py`): node 0 listens on the master address (a torch.distributed
+   TCPStore, as torchrun's), every node proves it holds the secret and runs the same version,
+   and node 0 hands the run's CURVE keys out, encrypted under the secret. A node that does not
+   arrive, a port in use, a version mismatch or a wrong secret ends every launcher with a message
+   naming the node and the cause, within `--rdzv-timeout-s`.
+2. Node 0 starts the run's actor system on tcp at its address, with CURVE on (only holders of the
+   run's key can deliver a message), hosts the run's directory and publishes its address in the
+   store. Every other node starts its own system joined to that directory, and a `NodeAgent`
+   (`agent.py`), which starts processes there when the controller asks.
+3. Node 0 runs the controller (`actors/controller.py`) with the recipe's `[placement]`: engines
+   and trainer ranks are spawned on the nodes it names, each bound to its node's address. When
+   the run ends, node 0 tells every agent to stop its processes and exit; an agent whose
+   controller stops answering does the same, so no node outlives its run.
+
+Environment of the processes: the trainer ranks get RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT (their own process group, on the trainer's node); on GPUs CUDA_VISIBLE_DEVICES as
+the launcher's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+log = logging.getLogger("miles_async.launch")
+
+PROG = "miles-async launch"
+
+
+def route_address(master_addr: str, master_port: int) -> str:
+    """This node's address on the route to node 0 (what other nodes will reach it at)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_addr, master_port))  # no packet is sent: this only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def num_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - no usable torch.cuda: no GPUs to place on
+        return 0
+
+
+async def wait_for_agents(system: Any, ranks: list[int], timeout_s: float) -> dict[int, Any]:
+    """Each node's agent, looked up in the run's directory as it registers; a clear error naming the
+    nodes whose agent did not come within `timeout_s`."""
+    from miles_async.launch.agent import agent_name
+    from miles_async.runtime import UnknownActorError
+
+    deadline = time.monotonic() + timeout_s
+    found: dict[int, Any] = {}
+    while True:
+        for rank in ranks:
+            if rank not in found:
+                with contextlib.suppress(UnknownActorError):
+                    found[rank] = await system.lookup(agent_name(rank), timeout_s=timeout_s)
+        missing = [r for r in ranks if r not in found]
+        if not missing:
+            return found
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"node(s) {missing} passed the rendezvous but their agent did not register with the "
+                               f"run's directory within {timeout_s:g} s (a firewall between the nodes? each "
+                               "node's --host must be reachable from node 0)")
+        await asyncio.sleep(0.1)
+
+
+async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str, out: Path) -> int:
+    from miles_async.actors.controller import Controller, LocalSpawner, Node
+    from miles_async.launch.agent import RemoteSpawner, ShutdownNode
+    from miles_async.runtime import ActorSystem
+
+    runtime = runtime_config(host, args)
+    async with ActorSystem("controller", config=runtime, key_dir=rdzv.key_dir) as system:
+        await asyncio.to_thread(store.set, "directory", system.address)
+        others = [n.rank for n in rdzv.nodes if n.rank != 0]
+        agents = await wait_for_agents(system, others, args.rdzv_timeout_s)
+        nodes = {0: Node(rank=0, host=host, spawner=LocalSpawner(system, host))}
+        for info in rdzv.nodes:
+            if info.rank != 0:
+                nodes[info.rank] = Node(rank=info.rank, host=info.host, spawner=RemoteSpawner(system, agents[info.rank]))
+        controller = Controller(config, out, resume=args.resume, progress=not args.quiet, runtime=runtime,
+                                system=system, nodes=nodes)
+        try:
+            result = await controller.run()
+        finally:
+            for rank, agent in agents.items():
+                try:
+                    await agent.ask(ShutdownNode(reason="the run is over"), timeout_s=60.0)
+                except Exception as e:  # noqa: BLE001 - a node already gone has nothing left to stop
+                    log.warning("node %d did not confirm its shutdown: %s", rank, e)
+    summary = msgspec.json.encode(result).decode()
+    (out / "summary.json").write_text(summary)
+    print(summary)
+    return 130 if result.interrupted else 0
+
+
+async def run_other_node(args: Any, rdzv: Any, store: Any, host: str) -> int:
+    from miles_async.launch.agent import NodeAgent, agent_name
+    from miles_async.runtime import ActorSystem
+
+    directory = (await asyncio.to_thread(store.get, "directory", args.rdzv_timeout_s)).decode()
+    done = asyncio.Event()
+    outcome: dict[str, str] = {}
+    async with ActorSystem(f"node{args.node_rank}", config=runtime_config(host, args), directory=directory,
+                           key_dir=rdzv.key_dir) as system:
+        await system.spawn(NodeAgent, agent_name(args.node_rank),
+                           kwargs={"node_rank": args.node_rank, "host": host, "num_gpus": num_gpus(),
+                                   "controller_address": directory, "done": done, "outcome": outcome})
+        print(f"{PROG}: node {args.node_rank} at {host} joined the run; serving until node 0 says stop",
+              file=sys.stderr)
+        await done.wait()
+        await asyncio.sleep(0.2)  # the answer to node 0's ShutdownNode leaves before this system closes
+    reason = outcome.get("reason", "")
+    print(f"{PROG}: node {args.node_rank} stops: {reason}", file=sys.stderr)
+    return 0 if outcome.get("clean") == "yes" else 1
+
+
+def runtime_config(host: str, args: Any) -> Any:
+    from miles_async.runtime import RuntimeConfig
+
+    return RuntimeConfig(transport="tcp", host=host, curve=True,
+                         run_dir=tempfile.mkdtemp(prefix=f"miles-async-node{args.node_rank}-"),
+                         ask_timeout_s=600.0, spawn_timeout_s=300.0)
+
+
+def main(args: Any) -> int:
+    """The `launch` verb (its arguments parsed by `miles_async.launch.cli`)."""
+    from miles_async.actors.recipe import load_recipe
+    from miles_async.launch.rendezvous import RendezvousError, load_secret, rendezvous
+    from miles_async.runtime import run as run_async
+
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format=f"%(asctime)s %(levelname)s [node {args.node_rank}] %(name)s: %(message)s")
+    if not 0 <= args.node_rank < args.nnodes:
+        print(f"{PROG}: --node-rank {args.node_rank} is outside 0..{args.nnodes - 1}", file=sys.stderr)
+        return 2
+    try:
+        config = load_recipe(args.recipe, args.overrides)
+        secret = load_secret(args.secret_file)
+    except (ValueError, OSError) as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    beyond = sorted(n for n in config.placement.nodes if n >= args.nnodes)
+    if beyond:
+        print(f"{PROG}: [placement] names node(s) {beyond} but --nnodes is {args.nnodes}", file=sys.stderr)
+        return 2
+    host = args.host or route_address(args.master_addr, args.master_port)
+    out = Path(args.out or Path("runs") / f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    key_dir = tempfile.mkdtemp(prefix=f"miles-async-keys-node{args.node_rank}-")
+    try:
+        rdzv, store = rendezvous(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                                 master_port=args.master_port, secret=secret, host=host, key_dir=key_dir,
+                                 timeout_s=args.rdzv_timeout_s, num_gpus=num_gpus())
+    except RendezvousError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 3
+    try:
+        if args.node_rank == 0:
+            print(f"{PROG}: {args.nnodes} node(s) arrived: "
+                  + ", ".join(f"{n.rank}={n.host}" for n in rdzv.nodes) + f"; {args.recipe} -> {out}", file=sys.stderr)
+            return run_async(run_node_zero(args, config, rdzv, store, host, out))
+        return run_async(run_other_node(args, rdzv, store, host))
+    except TimeoutError as e:
+        print(f"{PROG}: node {args.node_rank}: {e}", file=sys.stderr)
+        return 3
+    finally:
+        store.close()

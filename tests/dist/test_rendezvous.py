@@ -1,0 +1,404 @@
+"""The multi-node rendezvous: nodes meet at node 0's TCPStore, prove the run's secret, get its keys.
+
+Nodes run in threads of this process (a TCPStore master and its clients share a process fine)
+or, for the three-node case, in spawned processes. Every wait has a deadline; failure cases use
+a timeout of 2 s so that each test takes a few seconds at most.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import multiprocessing
+import socket
+import stat
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+import miles_async
+from miles_async.launch.rendezvous import (
+    NodeInfo,
+    Rendezvous,
+    RendezvousError,
+    StoreHandle,
+    load_secret,
+    rendezvous,
+    seal,
+    unseal,
+)
+from miles_async.runtime import security
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+OTHER_SECRET = b"fedcba9876543210fedcba9876543210"
+JOIN_S = 20.0  # no test comes near this; it only keeps a broken one from hanging
+
+pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq was built without CURVE")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def can_bind(host: str) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
+class Node(threading.Thread):
+    """One node's launcher in a thread: `result` or `error` once it is done."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(daemon=True)
+        self.kwargs = kwargs
+        self.result: Rendezvous | None = None
+        self.handle: StoreHandle | None = None
+        self.error: BaseException | None = None
+        self.elapsed = 0.0
+
+    def run(self) -> None:
+        start = time.monotonic()
+        try:
+            self.result, self.handle = rendezvous(**self.kwargs)
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            self.error = e
+        self.elapsed = time.monotonic() - start
+
+
+def node_kwargs(tmp_path: Path, port: int, nnodes: int, rank: int, **overrides: Any) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "nnodes": nnodes, "node_rank": rank, "master_addr": "127.0.0.1", "master_port": port,
+        "secret": SECRET, "host": "127.0.0.1", "key_dir": str(tmp_path / f"keys{rank}"), "timeout_s": 5.0}
+    kwargs.update(overrides)
+    return kwargs
+
+
+def run_nodes(*nodes: Node, stagger_s: float = 0.0) -> list[Node]:
+    try:
+        for node in nodes:
+            node.start()
+            time.sleep(stagger_s)
+        for node in nodes:
+            node.join(JOIN_S)
+            assert not node.is_alive(), f"node {node.kwargs['node_rank']} still runs after {JOIN_S} s"
+    finally:
+        for node in reversed(nodes):  # node 0 (the store's server) last
+            if node.handle is not None:
+                node.handle.close()
+    return list(nodes)
+
+
+def assert_key_dir(key_dir: str) -> security.CurveKeys:
+    folder = Path(key_dir)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["run.key", "run.key_secret"]
+    for name in names:
+        assert stat.S_IMODE((folder / name).stat().st_mode) == 0o600
+    return security.load_run_keys(folder)
+
+
+# ------------------------------------------------------------------------------------------------
+# success
+
+
+def _process_node(kwargs: dict[str, Any], out: Any) -> None:
+    try:
+        result, handle = rendezvous(**kwargs)
+        keys = assert_key_dir(result.key_dir)
+        out.put((kwargs["node_rank"], "ok", msgspec.json.encode(result), keys.public, keys.secret))
+        handle.close()
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        out.put((kwargs["node_rank"], "error", f"{type(e).__name__}: {e}", b"", b""))
+
+
+def test_three_processes_get_the_same_keys_and_nodes(tmp_path: Path) -> None:
+    port = free_port()
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_process_node, args=(
+        node_kwargs(tmp_path, port, 3, rank, timeout_s=30.0, num_gpus=rank), out), daemon=True)
+        for rank in range(3)]
+    try:
+        for proc in procs:
+            proc.start()
+        reports = {}
+        for _ in procs:
+            rank, status, data, public, secret = out.get(timeout=JOIN_S)
+            assert status == "ok", f"node {rank}: {data}"
+            reports[rank] = (msgspec.json.decode(data, type=Rendezvous), public, secret)
+        for proc in procs:
+            proc.join(JOIN_S)
+            assert proc.exitcode == 0
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    results = [reports[r][0] for r in range(3)]
+    assert len({r.run_id for r in results}) == 1
+    assert len(results[0].run_id) == 32 and int(results[0].run_id, 16) >= 0
+    assert all(r.nodes == results[0].nodes for r in results)
+    assert [n.rank for n in results[0].nodes] == [0, 1, 2]
+    assert [n.num_gpus for n in results[0].nodes] == [0, 1, 2]
+    assert all(n.version == miles_async.__version__ for n in results[0].nodes)
+    assert len({n.pid for n in results[0].nodes}) == 3
+    assert len({(reports[r][1], reports[r][2]) for r in range(3)}) == 1  # one keypair everywhere
+    assert [r.key_dir for r in results] == [str(tmp_path / f"keys{r}") for r in range(3)]
+
+
+@pytest.mark.skipif(not (can_bind("127.0.0.2") and can_bind("127.0.0.3")),
+                    reason="127.0.0.2 and 127.0.0.3 cannot be bound here")
+def test_nodes_on_other_loopback_addresses(tmp_path: Path) -> None:
+    port = free_port("127.0.0.2")
+    nodes = run_nodes(
+        Node(**node_kwargs(tmp_path, port, 3, 0, master_addr="127.0.0.2", host="127.0.0.2")),
+        Node(**node_kwargs(tmp_path, port, 3, 1, master_addr="127.0.0.2", host="127.0.0.3",
+                           extra={"role": "rollout"})),
+        Node(**node_kwargs(tmp_path, port, 3, 2, master_addr="127.0.0.2", host="127.0.0.3")))
+    for node in nodes:
+        assert node.error is None, node.error
+    results = [node.result for node in nodes]
+    assert [n.host for n in results[0].nodes] == ["127.0.0.2", "127.0.0.3", "127.0.0.3"]
+    assert results[0].nodes[1].extra == {"role": "rollout"}
+    assert all(r.nodes == results[0].nodes and r.run_id == results[0].run_id for r in results)
+    assert all((r.master_addr, r.master_port) == ("127.0.0.2", port) for r in results)
+    keys = {assert_key_dir(r.key_dir) for r in results}
+    assert len(keys) == 1
+
+
+def test_the_store_handle_outlives_the_rendezvous(tmp_path: Path) -> None:
+    result, handle = rendezvous(**node_kwargs(tmp_path, free_port(), 1, 0, timeout_s=2.0))
+    with handle:
+        handle.set("heartbeat/0", "1")
+        assert handle.get("heartbeat/0", 1.0) == b"1"
+        assert handle.add("counter", 2) == 2
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            handle.wait(["nobody/writes/this"], 0.3)
+        assert time.monotonic() - start < 2.0
+        assert handle.wait_any(["nobody", "heartbeat/0"], 0.3) == "heartbeat/0"
+    with pytest.raises(RendezvousError, match="closed"):
+        handle.set("x", "y")
+    assert handle.closed
+    assert isinstance(handle, StoreHandle) and result.nodes[0].rank == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# failures
+
+
+def test_a_node_that_never_arrives(tmp_path: Path) -> None:
+    port = free_port()
+    node0, node1 = run_nodes(Node(**node_kwargs(tmp_path, port, 3, 0, timeout_s=2.0)),
+                             Node(**node_kwargs(tmp_path, port, 3, 1, timeout_s=2.0)))
+    assert isinstance(node0.error, RendezvousError)
+    assert str(node0.error) == "node(s) 2 did not arrive within 2 s (arrived: 0, 1)"
+    assert isinstance(node1.error, RendezvousError)
+    assert str(node1.error) == f"node 1: the run was aborted by node 0: {node0.error}"
+    assert node0.elapsed < 2.0 + 4.0 and node1.elapsed < 2.0 + 4.0
+    assert not (tmp_path / "keys0").exists() and not (tmp_path / "keys1").exists()
+
+
+def test_a_node_without_the_secret(tmp_path: Path) -> None:
+    port = free_port()
+    node0, node1 = run_nodes(Node(**node_kwargs(tmp_path, port, 2, 0)),
+                             Node(**node_kwargs(tmp_path, port, 2, 1, secret=OTHER_SECRET)))
+    assert isinstance(node0.error, RendezvousError)
+    assert str(node0.error) == "node 1 does not hold this run's secret (its proof does not verify)"
+    assert node0.elapsed < 4.0  # at once, not at the timeout
+    assert isinstance(node1.error, RendezvousError)
+    # node 1 cannot verify node 0's abort with its secret, and says so
+    assert str(node1.error).startswith("node 1: the run was aborted: node 1 does not hold this run's secret")
+    assert "does not verify with this node's secret" in str(node1.error)
+    assert not (tmp_path / "keys1").exists()
+
+
+def test_a_version_mismatch(tmp_path: Path) -> None:
+    port = free_port()
+    node0, node1 = run_nodes(Node(**node_kwargs(tmp_path, port, 2, 0)),
+                             Node(**node_kwargs(tmp_path, port, 2, 1, version="9.9.9")))
+    expected = f"node 1 runs miles-async 9.9.9 but node 0 runs {miles_async.__version__}"
+    assert str(node0.error) == expected
+    assert str(node1.error) == f"node 1: the run was aborted by node 0: {expected}"
+
+
+def test_an_nnodes_mismatch(tmp_path: Path) -> None:
+    port = free_port()
+    node0, node1 = run_nodes(Node(**node_kwargs(tmp_path, port, 2, 0)),
+                             Node(**node_kwargs(tmp_path, port, 3, 1)))
+    assert str(node0.error) == "node 1 was launched with --nnodes 3 but node 0 with --nnodes 2"
+    assert "aborted by node 0" in str(node1.error)
+
+
+def test_the_port_is_taken(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(RendezvousError) as info:
+            rendezvous(**node_kwargs(tmp_path, port, 2, 0, timeout_s=2.0))
+    assert str(info.value) == (f"node 0: cannot listen on 127.0.0.1:{port}: address already in use "
+                               f"(another run, or pick another --master-port)")
+    assert time.monotonic() - start < 2.0
+
+
+def test_node_0_is_absent(tmp_path: Path) -> None:
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(RendezvousError) as info:
+        rendezvous(**node_kwargs(tmp_path, port, 2, 1, timeout_s=2.0))
+    elapsed = time.monotonic() - start
+    assert str(info.value).startswith(f"node 1: node 0 did not answer at 127.0.0.1:{port} within 2 s")
+    assert 2.0 <= elapsed < 3.5
+
+
+def test_two_launchers_claim_one_rank(tmp_path: Path) -> None:
+    port = free_port()
+    node0, first, second = run_nodes(
+        Node(**node_kwargs(tmp_path, port, 3, 0)),
+        Node(**node_kwargs(tmp_path, port, 3, 1, host="hostA", key_dir=str(tmp_path / "a"))),
+        Node(**node_kwargs(tmp_path, port, 3, 1, host="hostB", key_dir=str(tmp_path / "b"))),
+        stagger_s=0.2)
+    assert str(node0.error) == "two launchers claim node rank 1 (hosts hostA and hostB)"
+    assert node0.elapsed < 4.0  # at once, not when node 2 is given up on
+    assert str(second.error) == "two launchers claim node rank 1 (hosts hostA and hostB)"
+    assert str(first.error) == f"node 1: the run was aborted by node 0: {node0.error}"
+
+
+def _fake_node_0(port: int, run_id: str, write: dict[str, bytes], ready: threading.Event) -> None:
+    """A store master that is not a miles-async node 0: it writes what it is told once node 1 arrives."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+    store.set("rdzv/run_id", run_id)
+    store.set("rdzv/meta", msgspec.json.encode({"nnodes": 2, "version": miles_async.__version__}))
+    ready.set()
+    store.wait(["rdzv/node/1"], datetime.timedelta(seconds=5))
+    for key, value in write.items():
+        store.set(key, value)
+    with contextlib.suppress(Exception):
+        store.wait(["rdzv/ack"], datetime.timedelta(seconds=3))
+
+
+def _against_fake_node_0(tmp_path: Path, write: dict[str, bytes]) -> RendezvousError:
+    port = free_port()
+    ready = threading.Event()
+    fake = threading.Thread(target=_fake_node_0, args=(port, "ab" * 16, write, ready), daemon=True)
+    fake.start()
+    assert ready.wait(JOIN_S)
+    with pytest.raises(RendezvousError) as info:
+        rendezvous(**node_kwargs(tmp_path, port, 2, 1, timeout_s=3.0))
+    fake.join(JOIN_S)
+    assert not (tmp_path / "keys1").exists()
+    return info.value
+
+
+def test_keys_sealed_with_another_secret_are_refused(tmp_path: Path) -> None:
+    payload = msgspec.json.encode({"run_id": "ab" * 16, "public": b"p", "secret": b"s", "nodes": []})
+    error = _against_fake_node_0(tmp_path, {
+        "rdzv/keys": seal(OTHER_SECRET, "ab" * 16, payload), "rdzv/go": b"1"})
+    assert str(error).startswith(
+        "node 1: the keys from node 0 do not verify: this node's secret differs from node 0's")
+
+
+def test_a_forged_abort_says_it_does_not_verify(tmp_path: Path) -> None:
+    error = _against_fake_node_0(tmp_path, {
+        "rdzv/abort": msgspec.json.encode({"reason": "go away", "tag": "00" * 32})})
+    assert str(error).startswith("node 1: the run was aborted: go away (this abort does not verify")
+
+
+# ------------------------------------------------------------------------------------------------
+# the cipher
+
+
+@pytest.mark.parametrize("size", [0, 1, 31, 32, 33, 1000])
+def test_seal_round_trip(size: int) -> None:
+    plaintext = bytes(range(256)) * 4
+    plaintext = plaintext[:size]
+    blob = seal(SECRET, "run1", plaintext)
+    assert len(blob) == 16 + size + 32
+    assert unseal(SECRET, "run1", blob) == plaintext
+    assert seal(SECRET, "run1", plaintext) != blob  # a fresh nonce each time
+    if size >= 16:
+        assert plaintext not in blob
+
+
+def test_seal_detects_tampering_and_wrong_keys() -> None:
+    plaintext = b"the run's CURVE secret key, say" * 3
+    blob = seal(SECRET, "run1", plaintext)
+    for i in (0, 15, 16, len(blob) // 2, len(blob) - 33, len(blob) - 1):  # nonce, ciphertext, tag
+        tampered = bytearray(blob)
+        tampered[i] ^= 0x01
+        with pytest.raises(ValueError, match="does not verify"):
+            unseal(SECRET, "run1", bytes(tampered))
+    with pytest.raises(ValueError, match="does not verify"):
+        unseal(OTHER_SECRET, "run1", blob)
+    with pytest.raises(ValueError, match="does not verify"):
+        unseal(SECRET, "run2", blob)
+    with pytest.raises(ValueError):
+        unseal(SECRET, "run1", blob[:40])
+
+
+def test_node_info_is_frozen() -> None:
+    info = NodeInfo(rank=0, host="h", hostname="h", pid=1, version="0", num_gpus=0)
+    assert info.extra == {}
+    with pytest.raises(AttributeError):
+        info.rank = 1  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------------------------------------
+# the secret
+
+
+def test_load_secret_from_env() -> None:
+    assert load_secret(env={"MILES_ASYNC_SECRET": "  " + SECRET.decode() + "\n"}) == SECRET
+
+
+def test_load_secret_from_a_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET + b"\n")
+    path.chmod(0o600)
+    with caplog.at_level(logging.WARNING):
+        assert load_secret(str(path), env={"MILES_ASYNC_SECRET": OTHER_SECRET.decode()}) == SECRET
+    assert not caplog.records
+    path.chmod(0o644)
+    with caplog.at_level(logging.WARNING):
+        assert load_secret(str(path), env={}) == SECRET  # still used, with a warning
+    assert any("readable by group or others" in r.getMessage() for r in caplog.records)
+
+
+def test_load_secret_missing_or_short(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="MILES_ASYNC_SECRET.*token_hex"):
+        load_secret(env={})
+    with pytest.raises(ValueError, match="at least 16"):
+        load_secret(env={"MILES_ASYNC_SECRET": "short"})
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    short.chmod(0o600)
+    with pytest.raises(ValueError, match="at least 16"):
+        load_secret(str(short), env={})
+    with pytest.raises(ValueError, match="cannot read"):
+        load_secret(str(tmp_path / "nothing"), env={})
+
+
+def test_bad_arguments_fail_before_any_network() -> None:
+    with pytest.raises(ValueError, match="node-rank"):
+        rendezvous(nnodes=2, node_rank=2, master_addr="127.0.0.1", master_port=1, secret=SECRET,
+                   host="127.0.0.1", key_dir="/nonexistent")
+    with pytest.raises(ValueError, match="at least 16"):
+        rendezvous(nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=1, secret=b"x",
+                   host="127.0.0.1", key_dir="/nonexistent")

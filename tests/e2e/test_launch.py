@@ -1,0 +1,122 @@
+"""`miles-async launch` on one machine as several nodes: each launcher a real process with its own
+address. Network namespaces need privileges CI may not have, so the nodes use distinct loopback
+addresses (127.0.0.1, 127.0.0.2, ...: Linux routes all of 127/8 to lo); each binds only its own.
+
+The recipe is the shipped one, shortened, with the engines placed on node 1 and the trainer on
+node 0, weights by broadcast (a gloo group across the nodes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _support_run import SHORT
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "reverse.toml"
+SECRET = "b" * 64
+
+
+def loopback_ok(host: str) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind((host, 0))
+        return True
+    except OSError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not loopback_ok("127.0.0.2"), reason="cannot bind 127.0.0.2 (no 127/8 on lo)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher(rank: int, nnodes: int, port: int, out: Path, *extra: str, env: dict | None = None,
+             quiet: bool = True) -> subprocess.Popen:
+    args = [sys.executable, "-m", "miles_async.launch.cli", "launch", "--nnodes", str(nnodes), "--node-rank", str(rank),
+            "--master-addr", "127.0.0.1", "--master-port", str(port), "--host", f"127.0.0.{rank + 1}",
+            "--rdzv-timeout-s", "60", str(RECIPE), *extra]
+    if rank == 0:
+        args += ["--out", str(out)]
+    if quiet:
+        args.append("--quiet")
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "MILES_ASYNC_SECRET": SECRET, **(env or {})})
+
+
+def session_pids(sid: int) -> list[int]:
+    """Every live process of the session a launcher started (its descendants, however re-parented)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def finish(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str, str]]:
+    deadline = time.monotonic() + timeout_s
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                os.killpg(q.pid, 9)
+            raise
+        outs.append((p.returncode, out, err))
+    return outs
+
+
+SHORT_TWO_NODES = [*SHORT, "loop.num_steps=3", "eval.mode=none", "placement.engines=[1]", "weights.transport=broadcast"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_nodes_run_the_recipe_with_the_engine_on_node_1(tmp_path: Path) -> None:
+    port = free_port()
+    procs = [launcher(0, 2, port, tmp_path / "run", *SHORT_TWO_NODES),
+             launcher(1, 2, port, tmp_path / "run", *SHORT_TWO_NODES, quiet=False)]
+    (rc0, out0, err0), (rc1, _, err1) = finish(procs, 240)
+    assert rc0 == 0, err0[-3000:] + "\n---node 1---\n" + err1[-2000:]
+    assert rc1 == 0, err1[-3000:]
+    summary = json.loads(out0.strip().splitlines()[-1])
+    assert summary["num_steps"] == 3 and not summary["interrupted"]
+    assert "node 1: started engine-0" in err1  # the engine ran on node 1, the trainer on node 0
+    assert "node 1 stops: the run is over" in err1
+    for p in procs:
+        assert session_pids(p.pid) == [], "a process of the run outlived it"
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_never_arrives_ends_the_launch_naming_it(tmp_path: Path) -> None:
+    port = free_port()
+    started = time.monotonic()
+    proc = launcher(0, 2, port, tmp_path / "run", *SHORT_TWO_NODES, "--rdzv-timeout-s", "3")
+    ((rc, _, err),) = finish([proc], 45)
+    assert rc == 3 and "node(s) 1 did not arrive" in err or "node 1 did not arrive" in err, err
+    assert time.monotonic() - started < 40
+    assert session_pids(proc.pid) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_wrong_secret_is_refused_on_both_sides(tmp_path: Path) -> None:
+    port = free_port()
+    procs = [launcher(0, 2, port, tmp_path / "run", *SHORT_TWO_NODES, "--rdzv-timeout-s", "15"),
+             launcher(1, 2, port, tmp_path / "run", *SHORT_TWO_NODES, "--rdzv-timeout-s", "15",
+                      env={"MILES_ASYNC_SECRET": "c" * 64})]
+    (rc0, _, err0), (rc1, _, err1) = finish(procs, 45)
+    assert rc0 == 3 and "node 1" in err0 and "secret" in err0, err0
+    assert rc1 == 3 and "secret" in err1, err1
