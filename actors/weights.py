@@ -64,7 +64,7 @@ from miles_async.actors.engine import (
 from miles_async.actors.trainer import WeightManifest
 from miles_async.engine.core import PAUSE_MODES
 from miles_async.engine.weights import StaleVersionError
-from miles_async.runtime import Actor, ActorDeadError, ActorRef, Failure, Message, handler
+from miles_async.runtime import Actor, ActorDeadError, ActorRef, AskTimeoutError, Failure, Message, handler
 from miles_async.transport import colocated
 from miles_async.transport.broadcast import layout_of, layout_to_json, send_buckets
 from miles_async.transport.buckets import CONVERTERS, convert, split_buckets
@@ -219,10 +219,36 @@ class WeightPusher(Actor):
             await self._ask_all(RandomFill(seed=cfg.verify_seed))
         expected = await self._on_thread(checksums, cast) if verify else None
         start = time.perf_counter()
+        before = list(self.engine_names)
+        try:
+            await self._attempt(msg.version, converted, cast, expected)
+        except Exception:
+            # An engine that died mid-push (its node cut off or killed) breaks a broadcast for all:
+            # find the dead (some may have been dropped on the way already), forget them, and push
+            # once more to the rest. Anything else is raised.
+            await self._find_dead()
+            dead = [name for name in before if name not in self.engine_names]
+            if not dead or not self.refs:
+                raise
+            await self._close_group()
+            log.warning("engines %s died during the push of version %d: pushing again to %s", ", ".join(dead),
+                        msg.version, ", ".join(self.engine_names))
+            await self._attempt(msg.version, converted, cast, expected)
+        seconds = time.perf_counter() - start
+        self._verified_once = self._verified_once or verify
+        num_bytes = sum(t.numel() * t.element_size() for t in cast.values())
+        return PushReport(version=msg.version, transport=cfg.transport, seconds=seconds, num_bytes=num_bytes,
+                          bytes_per_s=num_bytes / max(seconds, 1e-9), verified=verify,
+                          engines=await self._ask_all(EngineStatus()))
+
+    async def _attempt(self, version: int, converted: dict[str, torch.Tensor], cast: dict[str, torch.Tensor],
+                       expected: dict[str, str] | None) -> None:
+        """Pause the engines, move the weights, commit; on failure each engine aborts the update."""
+        cfg = self.config
         if cfg.pause_mode != "none":
             await self._ask_all(PauseEngine(mode=cfg.pause_mode))
         try:
-            await self._move(msg.version, converted, cast, expected)
+            await self._move(version, converted, cast, expected)
         except BaseException as e:
             await asyncio.gather(*(ref.ask(AbortUpdate(reason=f"the pusher failed: {type(e).__name__}: {e}"),
                                            timeout_s=cfg.timeout_s) for ref in self.refs), return_exceptions=True)
@@ -231,12 +257,20 @@ class WeightPusher(Actor):
             if cfg.pause_mode != "none":
                 await asyncio.gather(*(ref.ask(ResumeEngine(), timeout_s=cfg.timeout_s) for ref in self.refs),
                                      return_exceptions=True)
-        seconds = time.perf_counter() - start
-        self._verified_once = self._verified_once or verify
-        num_bytes = sum(t.numel() * t.element_size() for t in cast.values())
-        return PushReport(version=msg.version, transport=cfg.transport, seconds=seconds, num_bytes=num_bytes,
-                          bytes_per_s=num_bytes / max(seconds, 1e-9), verified=verify,
-                          engines=await self._ask_all(EngineStatus()))
+
+    async def _find_dead(self) -> list[str]:
+        """Forget (and name) the engines that no longer answer: dead, or silent past the runtime's
+        heartbeat timeout (a node cut off). The group they were in is closed."""
+        wait_s = self.system.config.heartbeat_timeout_s + 5.0
+        results = await asyncio.gather(*(ref.ask(EngineStatus(), timeout_s=wait_s) for ref in self.refs),
+                                       return_exceptions=True)
+        dead = [ref.name for ref, r in zip(self.refs, results) if isinstance(r, (ActorDeadError, AskTimeoutError))]
+        if dead:
+            keep = [i for i, ref in enumerate(self.refs) if ref.name not in dead]
+            self.engine_names = [self.engine_names[i] for i in keep]
+            self.refs = [self.refs[i] for i in keep]
+            await self._close_group()
+        return dead
 
     def _load(self, manifest: WeightManifest | None) -> dict[str, torch.Tensor]:
         if manifest is not None:

@@ -196,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the run's shared secret (default: the MILES_ASYNC_SECRET environment variable)")
     launch.add_argument("--rdzv-timeout-s", type=float, default=120.0, metavar="S",
                         help="how long the nodes may take to arrive (default: %(default)s)")
+    launch.add_argument("--heartbeat-timeout-s", type=float, default=10.0, metavar="S",
+                        help="a node (or process) silent this long is declared lost (default: %(default)s)")
     launch.add_argument("--out", metavar="DIR", help="run directory, on node 0 (default: a new folder under runs/)")
     launch.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     launch.add_argument("--quiet", action="store_true", help="no live progress display, warnings only")

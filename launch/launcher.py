@@ -139,9 +139,11 @@ async def run_other_node(args: Any, rdzv: Any, store: Any, host: str) -> int:
 def runtime_config(host: str, args: Any) -> Any:
     from miles_async.runtime import RuntimeConfig
 
+    timeout_s = args.heartbeat_timeout_s
     return RuntimeConfig(transport="tcp", host=host, curve=True,
                          run_dir=tempfile.mkdtemp(prefix=f"miles-async-node{args.node_rank}-"),
-                         ask_timeout_s=600.0, spawn_timeout_s=300.0)
+                         ask_timeout_s=600.0, spawn_timeout_s=300.0, heartbeat_timeout_s=timeout_s,
+                         heartbeat_interval_s=min(1.0, timeout_s / 4))
 
 
 def main(args: Any) -> int:

@@ -30,6 +30,46 @@ Node 0 hosts the store (`TCPStore(A, P, is_master=True)`, as torchrun does), the
    into its `key_dir`, counts itself in `ack` and returns; node 0 returns once all have (or
    after 3 s, with a warning).
 
+Late joins (after `go`)
+-----------------------
+A node can also arrive once the run is going: a node whose processes died comes back (a new
+launcher with the same --node-rank), or an elastic rollout node whose rank was not part of the
+initial rendezvous (e.g. `--nnodes 3 --node-rank 2` when the run started with 2 nodes). Both
+take the same path: `rendezvous(...)` on a node other than 0 reads `run_id` and `meta`, and if
+`go` is set it joins instead of arriving (a launcher whose rank is beyond node 0's initial
+nnodes first waits for `go`, or `abort`, within `timeout_s` + 5 s: it cannot take part in the
+initial rendezvous). Joining:
+
+1. the joiner takes a sequence number `S = add("join/seq", 1)` and writes `join/S` = JSON
+   `{info: NodeInfo, nnodes, proof}` with `proof = HMAC-SHA256(secret, "join|run_id/join/S|
+   nnodes|" + JSON(info))`: bound to the run, to S and to the whole NodeInfo (host, pid,
+   extra...), so a proof cannot be replayed in another run or under another number, nor an
+   arrival altered;
+2. node 0's launcher, while the run goes on, serves joins with `JoinServer.poll(accept,
+   timeout_s)` (from a background thread, say), in sequence order. It checks the proof and
+   that the version equals node 0's, then asks `accept(info)`: the launcher's policy (None
+   admits the node; a string refuses it, with that reason: "node 1 is still in the run").
+   Admitted: node 0 writes `join/S/keys` = seal(JSON `{run_id, public, secret, nodes}`), the
+   same payload as `keys`, with the current node list, the joiner included (a rank that
+   rejoins replaces its old entry), sealed for "run_id/join/S" so that an answer cannot be
+   moved to another request. Refused or not verified: `join/S/abort` = `{reason, tag}`, the
+   tag an HMAC of the reason for "run_id/join/S"; the joiner raises "node 0 refused node R's
+   join: <reason>";
+3. the joiner waits for its answer within `timeout_s`; without one it writes `join/S/gone`
+   (node 0 then skips the request) and raises. With keys, it checks them as at `go` (and that
+   the list holds it as it arrived), writes its `key_dir` and returns like any other node.
+
+Why node 0 decides, and why a rejoin reuses a rank: a rank names a place in the run (its
+engines, its share of the work), not a process; a node that comes back takes its old place.
+Two launchers with one rank are an error during the initial rendezvous (`claim/R`), but after
+`go` the joiner's own view cannot tell a restart from a mistake: only node 0's launcher knows
+whether the old node 1 is gone (its heartbeats stopped) or still in the run, so the duplicate
+check does not apply to joins and `accept` decides. Likewise a joiner's --nnodes need not equal
+node 0's (an elastic fleet grows past the initial count); it only has to cover its own rank.
+A join request is never an abort of the run: a refusal or a bad proof refuses that request and
+node 0 serves the next. Sequence numbers that never get an arrival (a launcher that died
+between the two writes) are refused after 5 s, so they do not hold up the requests behind them.
+
 Encryption (`seal` / `unseal`, standard library only): a PRF in counter mode, then
 encrypt-then-MAC. Per message a random 16-byte nonce; `enc_key = HMAC-SHA256(secret,
 b"miles-async enc" + nonce)`, `mac_key = HMAC-SHA256(secret, b"miles-async mac" + nonce)`;
@@ -52,11 +92,15 @@ for what it says, only for what it proves:
   (and aborts the run rather than hand out keys); proofs bind the run id, so a proof seen in
   one run is worthless in another; the node list is inside the sealed payload, so the
   addresses the nodes go on to connect to are node 0's, not an attacker's;
+* joins get the same treatment: the keys for a join are sealed for that request, the
+  refusals are tagged, and a join proof binds the run, the request and the whole NodeInfo;
 * what such an attacker CAN still do is deny service: write `abort`, garbage in `node/R`,
   `claim/R` or `dup/R`, or `run_id` before node 0 does, and the rendezvous fails (bounded by
-  `timeout_s`, with an error). An `abort` whose tag does not verify says so in the error
-  ("this abort does not verify..."), so an operator can tell interference from a real abort,
-  but the run stops either way. Keep P behind the cluster's firewall; the secret protects the
+  `timeout_s`, with an error); after `go`, garbage, `abort` or `gone` under `join/S`, or a
+  bump of `join/seq`, refuses or delays joins (node 0 refuses what does not verify). An
+  `abort` whose tag does not verify says so in the error ("this abort does not verify..."; a
+  refusal: "this refusal does not verify..."), so an operator can tell interference from a
+  real abort, but the run stops either way. Keep P behind the cluster's firewall; the secret protects the
   keys, not the run's availability.
 
 The secret comes from `MILES_ASYNC_SECRET` or a file (`load_secret`); make one with
@@ -69,6 +113,9 @@ Try it on one machine (two shells, same secret):
 node_rank=0, master_addr='127.0.0.1', master_port=29500, secret=load_secret(), \
 host='127.0.0.1', key_dir='/tmp/k0'); print(r)"
     # in the second shell: node_rank=1, key_dir='/tmp/k1'
+
+and to try a join, end node 0's command with `j = JoinServer(s, r, load_secret()); \
+print(j.poll(lambda info: None, 60))` and, once both have met, run node_rank=2 with nnodes=3.
 """
 
 from __future__ import annotations
@@ -84,8 +131,9 @@ import secrets as _secrets
 import socket
 import stat
 import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -111,10 +159,21 @@ POLL_S = 0.02
 MARGIN_S = 5.0
 # How long node 0 keeps the store up, after its verdict, for the others to read it and say so.
 GRACE_S = 3.0
+# How often JoinServer.poll looks for join requests while it waits.
+JOIN_POLL_S = 0.05
+# A join sequence number taken but whose arrival is not written within this long is refused
+# (its launcher died between the two writes), so it does not hold up the requests behind it.
+GAP_S = 5.0
+# How many sequence numbers past its cursor JoinServer looks at in one pass.
+JOIN_WINDOW = 64
 
 
 class RendezvousError(RuntimeError):
     """The rendezvous failed; the message names the node(s) and the cause."""
+
+
+class _DuplicateClaim(RendezvousError):
+    """A second launcher claimed a rank during the initial rendezvous."""
 
 
 class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -423,6 +482,13 @@ def rendezvous(*, nnodes: int, node_rank: int, master_addr: str, master_port: in
     Raises RendezvousError naming the node(s) and the cause; never takes much over `timeout_s`
     + 3 s (node 0: the grace for the others to read its verdict) or `timeout_s` + 5 s (the
     others: node 0 may have started later). `extra` lands in this node's `NodeInfo.extra`.
+
+    On a node other than 0, when the run is already going (node 0 wrote `go`) this joins it
+    instead (see "Late joins"): node 0's launcher admits or refuses the node, and a refusal
+    raises RendezvousError("node 0 refused node R's join: <reason>"). A joiner's `nnodes`
+    need not equal node 0's; it only has to cover `node_rank`. A joiner whose rank is beyond
+    node 0's nnodes waits for the run to start (up to `timeout_s` + 5 s), then joins; the join
+    itself waits up to `timeout_s` for node 0's answer.
     """
     if nnodes < 1:
         raise ValueError(f"--nnodes must be at least 1, got {nnodes}")
@@ -447,7 +513,8 @@ def rendezvous(*, nnodes: int, node_rank: int, master_addr: str, master_port: in
         if node_rank == 0:
             result = _lead(handle, info, nnodes, secret, key_dir, timeout_s, deadline)
         else:
-            result = _follow(handle, info, nnodes, secret, key_dir, timeout_s, deadline + MARGIN_S)
+            result = _follow(handle, info, nnodes, secret, key_dir, timeout_s, deadline + MARGIN_S,
+                             deadline)
     except BaseException:
         handle.close()
         raise
@@ -475,7 +542,7 @@ def _arrive(handle: StoreHandle, info: NodeInfo, nnodes: int, secret: bytes, run
         first = "?"
         with contextlib.suppress(TimeoutError, msgspec.DecodeError, RendezvousError):
             first = msgspec.json.decode(handle.get(f"{PREFIX}node/{rank}", 1.0), type=_Arrival).info.host
-        raise RendezvousError(f"two launchers claim node rank {rank} (hosts {first} and {info.host})")
+        raise _DuplicateClaim(f"two launchers claim node rank {rank} (hosts {first} and {info.host})")
     handle.set(f"{PREFIX}node/{rank}", arrival)
 
 
@@ -563,7 +630,8 @@ def _lead(handle: StoreHandle, info: NodeInfo, nnodes: int, secret: bytes, key_d
 
 
 def _follow(handle: StoreHandle, info: NodeInfo, nnodes: int, secret: bytes, key_dir: str,
-            timeout_s: float, deadline: float) -> Rendezvous:
+            timeout_s: float, deadline: float, join_deadline: float) -> Rendezvous:
+    """The initial rendezvous for a node other than 0, or a join when the run is already going."""
     rank = info.rank
     where = f"{handle.master_addr}:{handle.master_port}"
 
@@ -575,10 +643,28 @@ def _follow(handle: StoreHandle, info: NodeInfo, nnodes: int, secret: bytes, key
         meta = msgspec.json.decode(handle.get(f"{PREFIX}meta", left()), type=_Meta)
     except (TimeoutError, msgspec.DecodeError, UnicodeDecodeError) as e:
         raise RendezvousError(f"node {rank}: the store at {where} holds no run from node 0 ({e})") from e
+    go, abort = f"{PREFIX}go", f"{PREFIX}abort"
+    if handle.check([go]):  # the run is going: join it
+        return _join(handle, info, nnodes, secret, run_id, key_dir, timeout_s, join_deadline)
     if rank >= meta.nnodes:
-        raise RendezvousError(f"node {rank}: node 0 was launched with --nnodes {meta.nnodes} "
-                              f"(ranks 0..{meta.nnodes - 1}) but this node with --nnodes {nnodes}")
-    _arrive(handle, info, nnodes, secret, run_id)
+        # Not a place of the initial rendezvous (an elastic node): wait for the run, then join.
+        got = handle.wait_any([abort, go], left())
+        if got is None:
+            raise RendezvousError(
+                f"node {rank}: node 0 was launched with --nnodes {meta.nnodes} (ranks "
+                f"0..{meta.nnodes - 1}), so this node can only join the run once it has started, "
+                f"and it did not start within {timeout_s:g} s (+{MARGIN_S:g} s)")
+        if got == abort:
+            raise RendezvousError(_abort_message(handle.get(abort, 1.0), rank, secret, run_id, where))
+        return _join(handle, info, nnodes, secret, run_id, key_dir, timeout_s,
+                     time.monotonic() + timeout_s)
+    try:
+        _arrive(handle, info, nnodes, secret, run_id)
+    except _DuplicateClaim:
+        if not handle.check([go]):
+            raise
+        # `go` came between the check above and the claim: this is a rejoin, node 0 decides.
+        return _join(handle, info, nnodes, secret, run_id, key_dir, timeout_s, join_deadline)
 
     got = handle.wait_any([f"{PREFIX}abort", f"{PREFIX}go"], left())
     if got is None:
@@ -621,3 +707,223 @@ def _abort_message(raw: bytes, rank: int, secret: bytes, run_id: str, where: str
     return (f"node {rank}: the run was aborted: {abort.reason} (this abort does not verify with this "
             f"node's secret: either it differs from node 0's, or someone else who can reach {where} "
             f"wrote it)")
+
+
+# ---------------------------------------------------------------------------------------------
+# late joins
+
+
+def _join_ad(run_id: str, seq: int) -> str:
+    """What a join's proof, keys and refusal are bound to: the run and the request."""
+    return f"{run_id}/join/{seq}"
+
+
+def _join_proof(secret: bytes, ad: str, info: NodeInfo, nnodes: int) -> str:
+    data = f"join|{ad}|{nnodes}|".encode() + msgspec.json.encode(info)
+    return hmac.new(secret, data, hashlib.sha256).hexdigest()
+
+
+def _join(handle: StoreHandle, info: NodeInfo, nnodes: int, secret: bytes, run_id: str, key_dir: str,
+          timeout_s: float, deadline: float) -> Rendezvous:
+    """Ask node 0 to let this node into the running run; its keys and the node list, or raise."""
+    rank = info.rank
+    where = f"{handle.master_addr}:{handle.master_port}"
+    seq = handle.add(f"{PREFIX}join/seq", 1)
+    base, ad = f"{PREFIX}join/{seq}", _join_ad(run_id, seq)
+    handle.set(base, msgspec.json.encode(
+        _Arrival(info=info, nnodes=nnodes, proof=_join_proof(secret, ad, info, nnodes))))
+    got = handle.wait_any([f"{base}/abort", f"{base}/keys"], max(deadline - time.monotonic(), 0.0))
+    if got is None:
+        with contextlib.suppress(RendezvousError):
+            handle.set(f"{base}/gone", b"1")  # node 0 skips it, should it get to it later
+        raise RendezvousError(
+            f"node {rank}: the run at {where} is going, but node 0 did not answer this node's join "
+            f"(request {seq}) within {timeout_s:g} s: is node 0's launcher serving joins?")
+    if got.endswith("abort"):
+        raise RendezvousError(_refusal_message(handle.get(got, 1.0), rank, secret, ad, where))
+    try:
+        payload = msgspec.json.decode(unseal(secret, ad, handle.get(got, 1.0)), type=_Payload)
+    except (ValueError, TimeoutError) as e:  # msgspec.DecodeError is a ValueError
+        raise RendezvousError(f"node {rank}: the keys from node 0 do not verify: this node's secret "
+                              f"differs from node 0's ({e})") from e
+    if payload.run_id != run_id:
+        raise RendezvousError(f"node {rank}: the keys from node 0 are for run {payload.run_id}, not {run_id}")
+    if [n for n in payload.nodes if n.rank == rank] != [info]:
+        raise RendezvousError(f"node {rank}: node 0's list of nodes does not hold this node as it arrived")
+    _write_keys(key_dir, payload.public, payload.secret)
+    return Rendezvous(run_id=run_id, nodes=payload.nodes, key_dir=str(key_dir),
+                      master_addr=handle.master_addr, master_port=handle.master_port)
+
+
+def _refusal_message(raw: bytes, rank: int, secret: bytes, ad: str, where: str) -> str:
+    try:
+        abort = msgspec.json.decode(raw, type=_Abort)
+    except msgspec.DecodeError:
+        return (f"node {rank}'s join was refused: the store at {where} holds a refusal that does not "
+                f"parse (not node 0's: someone else who can reach the port wrote it)")
+    if hmac.compare_digest(abort.tag, _abort_tag(secret, ad, abort.reason)):
+        return f"node 0 refused node {rank}'s join: {abort.reason}"
+    return (f"node {rank}'s join was refused: {abort.reason} (this refusal does not verify with this "
+            f"node's secret: either it differs from node 0's, or someone else who can reach {where} "
+            f"wrote it)")
+
+
+class JoinServer:
+    """Node 0's side of late joins: admits or refuses the nodes that join the running run.
+
+    Node 0's launcher makes one after its `rendezvous(...)` and calls `poll` from one thread
+    (a background thread, say) for as long as the run goes on. It keeps the current node list
+    (`nodes`): the initial nodes, plus each node it admits, a rank that rejoins replacing its
+    old entry. The run's keys are `public` and `secret_key` (the bytes of `run.key` and
+    `run.key_secret`), by default read from `rdzv.key_dir`.
+    """
+
+    def __init__(self, handle: StoreHandle, rdzv: Rendezvous, secret: bytes, public: bytes | None = None,
+                 secret_key: bytes | None = None, *, version: str | None = None) -> None:
+        if not handle.is_master:
+            raise ValueError(f"node {handle.node_rank}: only node 0 serves joins")
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"the secret is {len(secret)} bytes; it needs at least {MIN_SECRET_BYTES}")
+        if (public is None) != (secret_key is None):
+            raise ValueError("pass both public and secret_key, or neither (they are read from rdzv.key_dir)")
+        if public is None or secret_key is None:
+            folder = Path(rdzv.key_dir)
+            public = (folder / f"{security.KEY_NAME}.key").read_bytes()
+            secret_key = (folder / f"{security.KEY_NAME}.key_secret").read_bytes()
+        self._handle = handle
+        self._rdzv = rdzv
+        self._secret = secret
+        self._public = public
+        self._secret_key = secret_key
+        self._nodes = {n.rank: n for n in rdzv.nodes}
+        if version is None:  # node 0's, as it arrived
+            version = self._nodes[0].version if 0 in self._nodes else miles_async.__version__
+        self._version = version
+        self._next = 1  # the lowest sequence number not yet handled
+        self._done: set[int] = set()  # handled, above _next
+        self._gap_since: dict[int, float] = {}  # numbers taken, arrival not yet written: since when
+        self._lock = threading.Lock()
+
+    @property
+    def nodes(self) -> list[NodeInfo]:
+        """The run's nodes now, by rank (ranks may have holes: an elastic node that never came)."""
+        nodes = self._nodes
+        return [nodes[r] for r in sorted(nodes)]
+
+    @property
+    def rendezvous(self) -> Rendezvous:
+        """Node 0's `Rendezvous` with the current node list."""
+        return Rendezvous(run_id=self._rdzv.run_id, nodes=self.nodes, key_dir=self._rdzv.key_dir,
+                          master_addr=self._rdzv.master_addr, master_port=self._rdzv.master_port)
+
+    def poll(self, accept: Callable[[NodeInfo], str | None], timeout_s: float) -> NodeInfo | None:
+        """Serve the join requests that have arrived, in order, until one is admitted.
+
+        Each request is verified (its proof, its version equal to node 0's); one that fails is
+        refused with the cause, logged, and the next is served. A verified one goes to
+        `accept(info)`: None admits it (node 0 writes the sealed keys and the node list, with it,
+        and returns its NodeInfo), a string refuses it with that reason. Returns None when no
+        request was admitted within `timeout_s` (also when another call holds the server for
+        that long). Never waits longer than `timeout_s` on its own, plus the time of `accept`.
+        If `accept` raises, the request is refused ("node 0 failed to decide") and the error
+        propagates. RendezvousError when the store is gone.
+        """
+        timeout_s = max(timeout_s, 0.0)
+        deadline = time.monotonic() + timeout_s
+        if not (self._lock.acquire(timeout=timeout_s) if timeout_s > 0 else self._lock.acquire(blocking=False)):
+            return None
+        try:
+            while True:
+                info = self._pass(accept)
+                left = deadline - time.monotonic()
+                if info is not None or left <= 0:
+                    return info
+                time.sleep(min(JOIN_POLL_S, left))
+        finally:
+            self._lock.release()
+
+    def _pass(self, accept: Callable[[NodeInfo], str | None]) -> NodeInfo | None:
+        handle = self._handle
+        top = handle.add(f"{PREFIX}join/seq", 0)
+        for seq in range(self._next, min(top, self._next + JOIN_WINDOW - 1) + 1):
+            if seq < self._next or seq in self._done:  # handled (the cursor may move during a pass)
+                continue
+            base = f"{PREFIX}join/{seq}"
+            if not handle.check([base]):
+                since = self._gap_since.setdefault(seq, time.monotonic())
+                if time.monotonic() - since >= GAP_S:
+                    self._refuse(seq, None, f"join request {seq} did not arrive within {GAP_S:g} s "
+                                            f"of taking its number")
+                continue
+            if handle.check([f"{base}/gone"]):
+                log.info("node 0: join request %d was given up by its node before node 0 got to it", seq)
+                self._finish(seq)
+                continue
+            info = self._serve(seq, base, accept)
+            if info is not None:
+                return info
+        return None
+
+    def _serve(self, seq: int, base: str, accept: Callable[[NodeInfo], str | None]) -> NodeInfo | None:
+        ad = _join_ad(self._rdzv.run_id, seq)
+        try:
+            raw = self._handle.get(base, 1.0)  # a lost store raises RendezvousError: not a refusal
+        except TimeoutError as e:  # seen by check(), then not readable: should not happen
+            self._refuse(seq, None, f"join request {seq}: the store lost it: {e}")
+            return None
+        try:
+            info = self._verify(seq, ad, raw)
+        except RendezvousError as e:
+            self._refuse(seq, None, str(e))
+            return None
+        try:
+            reason = accept(info)
+        except BaseException as e:
+            self._refuse(seq, info, f"node 0 failed to decide: {type(e).__name__}: {e}")
+            raise
+        if reason is not None:
+            self._refuse(seq, info, reason)
+            return None
+        nodes = {**self._nodes, info.rank: info}
+        payload = _Payload(run_id=self._rdzv.run_id, public=self._public, secret=self._secret_key,
+                           nodes=[nodes[r] for r in sorted(nodes)])
+        self._handle.set(f"{base}/keys", seal(self._secret, ad, msgspec.json.encode(payload)))
+        rejoined = info.rank in self._nodes
+        self._nodes = nodes
+        self._finish(seq)
+        log.info("node 0: node %d (%s, %s, pid %d) %s the run (join request %d)", info.rank, info.host,
+                 info.hostname, info.pid, "rejoined" if rejoined else "joined", seq)
+        return info
+
+    def _verify(self, seq: int, ad: str, raw: bytes) -> NodeInfo:
+        try:
+            a = msgspec.json.decode(raw, type=_Arrival)
+        except msgspec.DecodeError as e:
+            raise RendezvousError(f"join request {seq} does not parse: {e}") from e
+        rank = a.info.rank
+        if not hmac.compare_digest(a.proof, _join_proof(self._secret, ad, a.info, a.nnodes)):
+            raise RendezvousError(f"node {rank} does not hold this run's secret (its join's proof does not verify)")
+        if rank < 1:
+            raise RendezvousError(f"join request {seq} is for rank {rank}: node 0 does not join its own run")
+        if not rank < a.nnodes:
+            raise RendezvousError(f"node {rank} was launched with --nnodes {a.nnodes}, which does not hold its rank")
+        if a.info.version != self._version:
+            raise RendezvousError(f"node {rank} runs miles-async {a.info.version} but node 0 runs {self._version}")
+        return a.info
+
+    def _refuse(self, seq: int, info: NodeInfo | None, reason: str) -> None:
+        ad = _join_ad(self._rdzv.run_id, seq)
+        who = f"node {info.rank}'s join" if info is not None else "a join"
+        log.warning("node 0: refused %s (request %d): %s", who, seq, reason)
+        self._handle.set(f"{PREFIX}join/{seq}/abort", msgspec.json.encode(
+            _Abort(reason=reason, tag=_abort_tag(self._secret, ad, reason))))
+        self._finish(seq)
+
+    def _finish(self, seq: int) -> None:
+        if seq < self._next:
+            return
+        self._done.add(seq)
+        self._gap_since.pop(seq, None)
+        while self._next in self._done:
+            self._done.remove(self._next)
+            self._next += 1

@@ -120,3 +120,35 @@ def test_a_wrong_secret_is_refused_on_both_sides(tmp_path: Path) -> None:
     (rc0, _, err0), (rc1, _, err1) = finish(procs, 45)
     assert rc0 == 3 and "node 1" in err0 and "secret" in err0, err0
     assert rc1 == 3 and "secret" in err1, err1
+
+
+def wait_steps(out: Path, steps: int, timeout_s: float, procs: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"a launcher ended early: {[p.poll() for p in procs]}")
+        time.sleep(0.2)
+    raise AssertionError(f"{steps} steps not done within {timeout_s:g}s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_engine_node_killed_mid_run_does_not_stop_it(tmp_path: Path) -> None:
+    """Engines on nodes 0 and 1; node 1 is killed (every process of it) mid-run: node 0 declares its
+    engine lost after the heartbeat timeout, the push in flight goes on to the other engine, the
+    in-flight samples go there too, and the run finishes; nothing of node 1 is left behind."""
+    port = free_port()
+    args = [*SHORT, "loop.num_steps=60", "eval.mode=none", "rollout.num_engines=2", "placement.engines=[0,1]",
+            "weights.transport=broadcast", "--heartbeat-timeout-s", "3"]
+    procs = [launcher(0, 2, port, tmp_path / "run", *args), launcher(1, 2, port, tmp_path / "run", *args)]
+    wait_steps(tmp_path / "run", 10, 180, procs)
+    os.killpg(procs[1].pid, 9)
+    (rc0, out0, err0), _ = finish(procs, 200)
+    assert rc0 == 0, err0[-3000:]
+    assert json.loads(out0.strip().splitlines()[-1])["num_steps"] == 60
+    assert "engine engine-1 is gone" in err0
+    for p in procs:
+        assert session_pids(p.pid) == [], "a process of the run outlived it"
