@@ -89,6 +89,11 @@ ASK_S = 600.0
 WAIT_REPORT_S = 30.0  # a step waiting this long for data says what the buffer holds and dropped
 
 
+class TrainerLostError(RuntimeError):
+    """A trainer rank died or failed: the run cannot go on (the ranks train together). The message
+    names the rank, its error, the step, and the checkpoint `--resume` continues from."""
+
+
 class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     run_dir: str
     num_steps: int
@@ -627,7 +632,7 @@ class Controller:
                 loop.add_signal_handler(sig, self._on_signal)
         interrupted = False
         try:
-            async with contextlib.AsyncExitStack() as stack:
+            async with self._trainer_failures(), contextlib.AsyncExitStack() as stack:
                 if self.system is None:  # one node: this run's own actor system
                     self.system = await stack.enter_async_context(ActorSystem("controller", config=self.runtime))
                 system = self.system
@@ -659,6 +664,27 @@ class Controller:
                          reward_last=statistics.fmean(tail) if tail else None, eval_scores=self.eval_scores,
                          samples_per_s=samples_per_s, trainer_idle_fraction=idle, wall_s=self._now(),
                          interrupted=interrupted, resumed_from=self.resumed_from)
+
+    @contextlib.asynccontextmanager
+    async def _trainer_failures(self) -> Any:
+        """Turn a trainer rank's death or error into a `TrainerLostError` with the root cause. It is
+        raised after the actor system closed, so every process of the run is gone by then."""
+        from miles_async.runtime import ActorDeadError, RemoteError
+
+        try:
+            yield
+        except (ActorDeadError, RemoteError) as e:
+            name = e.actor
+            if not name.startswith("trainer-"):
+                raise
+            cause = e.cause if isinstance(e, ActorDeadError) else e.failure
+            latest = checkpoint.latest(self.run_dir / "checkpoints")
+            resume = (f"--resume continues from {latest}" if latest is not None else
+                      "no checkpoint was saved yet (loop.checkpoint_every), so --resume starts over")
+            what = "died" if isinstance(e, ActorDeadError) else "failed"
+            raise TrainerLostError(
+                f"trainer rank {name.removeprefix('trainer-')} ({name}) {what}: {cause.type}: {cause.message}; the run "
+                f"stopped at RL step {self.step} (every process of it has exited); {resume}") from e
 
     def _write_header(self) -> None:
         """The trace's first record: the schema and the run's settings (what the simulator replays with)."""

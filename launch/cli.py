@@ -101,6 +101,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
 
     import msgspec
 
+    from miles_async.actors.controller import TrainerLostError
     from miles_async.actors.controller import run as run_loop
     from miles_async.actors.recipe import load_recipe
     from miles_async.runtime import run as run_async
@@ -121,7 +122,11 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"{PROG} run: {args.recipe} -> {out}", file=sys.stderr)
-    result = run_async(run_loop(config, out, resume=args.resume, progress=not args.quiet))
+    try:
+        result = run_async(run_loop(config, out, resume=args.resume, progress=not args.quiet))
+    except TrainerLostError as e:
+        print(f"{PROG} run: {e}", file=sys.stderr)
+        return 1
     summary = msgspec.json.encode(result).decode()
     (out / "summary.json").write_text(summary)
     print(summary)

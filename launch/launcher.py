@@ -101,12 +101,16 @@ async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str
                 nodes[info.rank] = Node(rank=info.rank, host=info.host, spawner=RemoteSpawner(system, agents[info.rank]))
         controller = Controller(config, out, resume=args.resume, progress=not args.quiet, runtime=runtime,
                                 system=system, nodes=nodes)
+        reason = "the run is over"
         try:
             result = await controller.run()
+        except BaseException as e:
+            reason = f"the run stopped on node 0: {type(e).__name__}: {e}"
+            raise
         finally:
             for rank, agent in agents.items():
                 try:
-                    await agent.ask(ShutdownNode(reason="the run is over"), timeout_s=60.0)
+                    await agent.ask(ShutdownNode(reason=reason), timeout_s=60.0)
                 except Exception as e:  # noqa: BLE001 - a node already gone has nothing left to stop
                     log.warning("node %d did not confirm its shutdown: %s", rank, e)
     summary = msgspec.json.encode(result).decode()
@@ -148,6 +152,7 @@ def runtime_config(host: str, args: Any) -> Any:
 
 def main(args: Any) -> int:
     """The `launch` verb (its arguments parsed by `miles_async.launch.cli`)."""
+    from miles_async.actors.controller import TrainerLostError
     from miles_async.actors.recipe import load_recipe
     from miles_async.launch.rendezvous import RendezvousError, load_secret, rendezvous
     from miles_async.runtime import run as run_async
@@ -186,5 +191,8 @@ def main(args: Any) -> int:
     except TimeoutError as e:
         print(f"{PROG}: node {args.node_rank}: {e}", file=sys.stderr)
         return 3
+    except TrainerLostError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
     finally:
         store.close()

@@ -15,6 +15,7 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import zmq
 
 import miles_async
 from miles_async.launch.rendezvous import (
+    JoinServer,
     NodeInfo,
     Rendezvous,
     RendezvousError,
@@ -319,6 +321,227 @@ def test_a_forged_abort_says_it_does_not_verify(tmp_path: Path) -> None:
     error = _against_fake_node_0(tmp_path, {
         "rdzv/abort": msgspec.json.encode({"reason": "go away", "tag": "00" * 32})})
     assert str(error).startswith("node 1: the run was aborted: go away (this abort does not verify")
+
+
+# ------------------------------------------------------------------------------------------------
+# late joins: a node that comes back, an elastic node
+
+
+class Cluster:
+    """Launchers in threads on one port; `close()` joins them and closes their handles, node 0 last."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.port = free_port()
+        self.nodes: list[Node] = []
+
+    def launch(self, rank: int, nnodes: int, **overrides: Any) -> Node:
+        node = Node(**node_kwargs(self.tmp_path, self.port, nnodes, rank, **overrides))
+        node.start()
+        self.nodes.append(node)
+        return node
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.join(JOIN_S)
+        for node in reversed(self.nodes):
+            if node.handle is not None:
+                node.handle.close()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[Cluster, Node, JoinServer]]:
+    """A 2-node run that has started, and node 0's JoinServer."""
+    c = Cluster(tmp_path)
+    try:
+        node0, node1 = c.launch(0, 2), c.launch(1, 2)
+        for node in (node0, node1):
+            node.join(JOIN_S)
+            assert node.error is None, node.error
+        assert node0.handle is not None and node0.result is not None
+        yield c, node0, JoinServer(node0.handle, node0.result, SECRET)
+    finally:
+        c.close()
+
+
+def wait_for_request(handle: StoreHandle, seq: int) -> None:
+    handle.wait([f"rdzv/join/{seq}"], JOIN_S)
+
+
+def test_a_new_node_joins_a_running_run(cluster: tuple[Cluster, Node, JoinServer]) -> None:
+    c, node0, server = cluster
+    seen: list[NodeInfo] = []
+    joined: list[NodeInfo] = []
+    stop = threading.Event()
+
+    def serve() -> None:  # as node 0's launcher does: poll from a background thread
+        while not stop.is_set():
+            info = server.poll(lambda info: seen.append(info), 0.1)  # append returns None: admit
+            if info is not None:
+                joined.append(info)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        node2 = c.launch(2, 3, num_gpus=8, extra={"role": "rollout"})
+        node2.join(JOIN_S)
+    finally:
+        stop.set()
+        thread.join(JOIN_S)
+    assert node2.error is None, node2.error
+    assert node2.result is not None and node0.result is not None
+    assert [i.rank for i in seen] == [2] and joined == seen
+    assert node2.result.run_id == node0.result.run_id
+    assert [n.rank for n in server.nodes] == [0, 1, 2]
+    assert node2.result.nodes == server.nodes == server.rendezvous.nodes
+    assert server.nodes[:2] == node0.result.nodes
+    assert server.nodes[2].num_gpus == 8 and server.nodes[2].extra == {"role": "rollout"}
+    assert assert_key_dir(node2.result.key_dir) == security.load_run_keys(node0.result.key_dir)
+    assert node2.elapsed < 2.0
+
+
+def test_a_node_rejoins_with_its_rank(cluster: tuple[Cluster, Node, JoinServer], tmp_path: Path) -> None:
+    c, node0, server = cluster
+    old = server.nodes[1]
+    ctx = multiprocessing.get_context("spawn")  # a new launcher: another pid
+    out = ctx.Queue()
+    proc = ctx.Process(target=_process_node, args=(node_kwargs(
+        tmp_path, c.port, 2, 1, host="127.0.0.7", key_dir=str(tmp_path / "rejoined1")), out), daemon=True)
+    proc.start()
+    try:
+        info = server.poll(lambda info: None, JOIN_S)
+        _, status, data, public, secret = out.get(timeout=JOIN_S)
+        proc.join(JOIN_S)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    assert status == "ok", data
+    assert info is not None and info.rank == 1 and info.pid == proc.pid
+    assert [n.rank for n in server.nodes] == [0, 1]  # one entry for rank 1: the new one
+    assert server.nodes[1] == info != old
+    assert (server.nodes[1].host, old.host) == ("127.0.0.7", "127.0.0.1")
+    assert msgspec.json.decode(data, type=Rendezvous).nodes == server.nodes
+    assert node0.result is not None
+    keys = security.load_run_keys(node0.result.key_dir)
+    assert (public, secret) == (keys.public, keys.secret)
+
+
+def test_a_refused_join(cluster: tuple[Cluster, Node, JoinServer]) -> None:
+    c, node0, server = cluster
+    assert node0.handle is not None
+    before = server.nodes
+    joiner = c.launch(1, 2, key_dir=str(c.tmp_path / "again1"), timeout_s=3.0)
+    wait_for_request(node0.handle, 1)
+    assert server.poll(lambda info: f"node {info.rank} is still in the run", 0.3) is None
+    joiner.join(JOIN_S)
+    assert isinstance(joiner.error, RendezvousError)
+    assert str(joiner.error) == "node 0 refused node 1's join: node 1 is still in the run"
+    assert joiner.elapsed < 3.0
+    assert server.nodes == before
+    assert not (c.tmp_path / "again1").exists()
+
+
+def test_a_join_without_the_secret_is_refused_and_the_next_is_served(
+        cluster: tuple[Cluster, Node, JoinServer], caplog: pytest.LogCaptureFixture) -> None:
+    c, node0, server = cluster
+    assert node0.handle is not None
+    bad = c.launch(2, 3, secret=OTHER_SECRET, key_dir=str(c.tmp_path / "bad"), timeout_s=3.0)
+    wait_for_request(node0.handle, 1)
+    good = c.launch(2, 3, host="127.0.0.8", timeout_s=3.0)
+    wait_for_request(node0.handle, 2)
+    asked: list[NodeInfo] = []
+    with caplog.at_level(logging.WARNING):
+        info = server.poll(lambda info: asked.append(info), 3.0)
+    assert info is not None and info.host == "127.0.0.8" and asked == [info]
+    bad.join(JOIN_S)
+    good.join(JOIN_S)
+    assert good.error is None, good.error
+    assert str(bad.error).startswith(
+        "node 2's join was refused: node 2 does not hold this run's secret (its join's proof does not verify)")
+    assert "this refusal does not verify with this node's secret" in str(bad.error)
+    assert any("refused a join (request 1)" in r.getMessage() for r in caplog.records)
+    assert not (c.tmp_path / "bad").exists()
+    assert [n.host for n in server.nodes] == ["127.0.0.1", "127.0.0.1", "127.0.0.8"]
+
+
+def test_a_join_with_another_version_is_refused(cluster: tuple[Cluster, Node, JoinServer]) -> None:
+    c, node0, server = cluster
+    assert node0.handle is not None
+    joiner = c.launch(2, 3, version="9.9.9", timeout_s=3.0)
+    wait_for_request(node0.handle, 1)
+    assert server.poll(lambda info: pytest.fail("accept was asked"), 0.2) is None
+    joiner.join(JOIN_S)
+    assert str(joiner.error) == (f"node 0 refused node 2's join: node 2 runs miles-async 9.9.9 but node 0 "
+                                 f"runs {miles_async.__version__}")
+
+
+def test_poll_with_nothing_pending(cluster: tuple[Cluster, Node, JoinServer]) -> None:
+    _, _, server = cluster
+    start = time.monotonic()
+    assert server.poll(lambda info: pytest.fail("accept was asked"), 0.3) is None
+    assert 0.3 <= time.monotonic() - start < 1.0
+    start = time.monotonic()
+    assert server.poll(lambda info: pytest.fail("accept was asked"), 0.0) is None
+    assert time.monotonic() - start < 0.5
+
+
+def test_a_join_node_0_does_not_answer(cluster: tuple[Cluster, Node, JoinServer]) -> None:
+    c, _, server = cluster
+    joiner = c.launch(2, 3, timeout_s=1.5)
+    joiner.join(JOIN_S)
+    assert isinstance(joiner.error, RendezvousError)
+    assert str(joiner.error) == (
+        f"node 2: the run at 127.0.0.1:{c.port} is going, but node 0 did not answer this node's join "
+        f"(request 1) within 1.5 s: is node 0's launcher serving joins?")
+    assert 1.5 <= joiner.elapsed < 2.5
+    # the joiner gave its request up: node 0 skips it rather than admit a node that is gone
+    assert server.poll(lambda info: pytest.fail("accept was asked"), 0.2) is None
+    assert [n.rank for n in server.nodes] == [0, 1]
+
+
+def test_an_elastic_node_early_waits_for_the_run_then_joins(tmp_path: Path) -> None:
+    c = Cluster(tmp_path)
+    try:
+        node2 = c.launch(2, 3)  # before the run starts: it cannot take part in the 2-node rendezvous
+        time.sleep(0.3)
+        node0, node1 = c.launch(0, 2), c.launch(1, 2)
+        for node in (node0, node1):
+            node.join(JOIN_S)
+            assert node.error is None, node.error
+        assert node0.handle is not None and node0.result is not None
+        assert [n.rank for n in node0.result.nodes] == [0, 1]
+        server = JoinServer(node0.handle, node0.result, SECRET)
+        info = server.poll(lambda info: None, 5.0)
+        node2.join(JOIN_S)
+        assert node2.error is None, node2.error
+        assert info is not None and info.rank == 2
+        assert node2.result is not None and node2.result.nodes == server.nodes
+    finally:
+        c.close()
+
+
+def test_a_number_taken_without_an_arrival_holds_up_nobody(
+        cluster: tuple[Cluster, Node, JoinServer], monkeypatch: pytest.MonkeyPatch) -> None:
+    c, node0, server = cluster
+    assert node0.handle is not None
+    monkeypatch.setattr("miles_async.launch.rendezvous.GAP_S", 0.3)
+    assert node0.handle.add("rdzv/join/seq", 1) == 1  # a launcher that died between its two writes
+    joiner = c.launch(2, 3)
+    info = server.poll(lambda info: None, 3.0)  # request 2 is served at once
+    joiner.join(JOIN_S)
+    assert joiner.error is None and info is not None and info.rank == 2
+    assert not node0.handle.check(["rdzv/join/1/abort"])
+    assert server.poll(lambda info: pytest.fail("accept was asked"), 0.5) is None
+    assert node0.handle.check(["rdzv/join/1/abort"])  # refused after GAP_S
+
+
+def test_only_node_0_serves_joins(cluster: tuple[Cluster, Node, JoinServer]) -> None:
+    c, _, _ = cluster
+    node1 = c.nodes[1]
+    assert node1.handle is not None and node1.result is not None
+    with pytest.raises(ValueError, match="only node 0"):
+        JoinServer(node1.handle, node1.result, SECRET)
 
 
 # ------------------------------------------------------------------------------------------------

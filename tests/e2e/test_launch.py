@@ -152,3 +152,51 @@ def test_an_engine_node_killed_mid_run_does_not_stop_it(tmp_path: Path) -> None:
     assert "engine engine-1 is gone" in err0
     for p in procs:
         assert session_pids(p.pid) == [], "a process of the run outlived it"
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The run's worker processes a launcher started (multiprocessing spawn children, not its
+    resource tracker)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if ppid == pid and b"spawn_main" in cmdline:
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_trainer_rank_killed_stops_the_run_with_its_cause_and_resume_continues(tmp_path: Path) -> None:
+    port = free_port()
+    out = tmp_path / "run"
+    args = [*SHORT, "loop.num_steps=14", "loop.checkpoint_every=4", "eval.mode=none", "trainer.world_size=2",
+            "placement.engines=[1]", "weights.transport=broadcast", "--heartbeat-timeout-s", "3"]
+    procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args)]
+    wait_steps(out, 6, 180, procs)
+    ranks = spawned_children(procs[0].pid)
+    assert len(ranks) == 2, ranks  # the two trainer ranks run on node 0
+    started = time.monotonic()
+    os.kill(ranks[1], 9)
+    (rc0, _, err0), (rc1, _, err1) = finish(procs, 120)
+    assert time.monotonic() - started < 60
+    assert rc0 == 1, err0[-3000:]
+    assert "trainer rank" in err0 and "died" in err0 and "--resume continues from" in err0, err0[-2000:]
+    assert "Traceback" not in err0
+    assert "the run stopped on node 0" in err1
+    for p in procs:
+        assert session_pids(p.pid) == [], "a process of the run outlived it"
+    stopped_at = len((out / "metrics.jsonl").read_text().splitlines())
+    port = free_port()
+    procs = [launcher(0, 2, port, out, *args, "--resume"), launcher(1, 2, port, out, *args)]
+    (rc0, out0, err0), (rc1, _, err1) = finish(procs, 240)
+    assert rc0 == 0, err0[-3000:]
+    assert rc1 == 0, err1[-3000:]
+    summary = json.loads(out0.strip().splitlines()[-1])
+    assert summary["num_steps"] == 14 and summary["resumed_from"]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 14 and len(steps) > stopped_at
