@@ -206,6 +206,8 @@ class Controller:
         self.eval_scores: list[tuple[int, float]] = []
         self.resumed_from: str | None = None
         self.update_task: asyncio.Future | None = None  # the weight push in flight
+        self.joins: asyncio.Queue[Node] = asyncio.Queue()  # nodes (re)joining the running job
+        self.num_engines_started = 0
         self.rollout_rewards: list[float] = []  # of every sample finished since the last step
 
     # ----- setup -----
@@ -263,6 +265,8 @@ class Controller:
         if cfg.eval.mode == "dedicated":
             names.append("eval-engine")
             placed.append(nodes[0])
+        self.num_engines_started = r.num_engines
+        self.engine_cfg = engine_cfg
         spawns = [node.spawner.spawn(EngineActor, name, args=(str(self.model_dir), engine_cfg),
                                      kwargs={"http_host": node.host, "http_port": 0, "num_threads": r.engine_threads})
                   for name, node in zip(names, placed)]
@@ -283,6 +287,7 @@ class Controller:
                                 host=nodes[0].host,
                                 pause_mode="in_place" if r.partial == "continue" else "abort",
                                 delta_dir=str(self.run_dir / "deltas"))
+        self.sync_config = sync
         self.pusher = await system.spawn(WeightPusher, "pusher", args=([e.name for e in engines], sync))
         if self.eval_engine is not None:
             self.eval_pusher = await system.spawn(WeightPusher, "eval-pusher", args=(["eval-engine"], sync))
@@ -531,6 +536,8 @@ class Controller:
                     eval_score = await self._evaluate()
                 checkpoint_due = bool(cfg.loop.checkpoint_every) and step % cfg.loop.checkpoint_every == 0
                 upcoming = None
+                if not self.joins.empty() and not self.stop.is_set():
+                    await self._admit_nodes()  # the trainer is idle here: it exports the weights they need
                 if step < last and not checkpoint_due and not self.stop.is_set():
                     upcoming = await self._launch(step + 1)  # the trainer works while this step is written down
                 trained += len(current.samples)
@@ -719,6 +726,40 @@ class Controller:
             manifest = await self.trainer.ask(ExportWeights(folder=str(self.run_dir / "sft_model" / "buckets")), ASK_S)
             await asyncio.to_thread(_as_hf_folder, self.model_dir, manifest, self.run_dir / "sft_model")
         return 0, 0, sft_steps, accuracy
+
+    def add_node(self, node: Node) -> None:
+        """A node joined the running job (a new one, or one back after it was lost): its engines are
+        started, given the current weights, and put to work between two steps."""
+        self.joins.put_nowait(node)
+
+    async def _admit_nodes(self) -> None:
+        from miles_async.actors.scheduler import AddEngine
+        from miles_async.actors.weights import JoinEngine
+
+        assert self.system is not None and self.trainer is not None and self.scheduler is not None
+        await self._settle_update()  # every engine holds self.version; none is being written
+        while not self.joins.empty():
+            node = self.joins.get_nowait()
+            count = max(1, sum(1 for n in self.config.placement.engines if n == node.rank))
+            for _ in range(count):
+                name = f"engine-{self.num_engines_started}"
+                self.num_engines_started += 1
+                ref = await node.spawner.spawn(EngineActor, name, args=(str(self.model_dir), self.engine_cfg),
+                                               kwargs={"http_host": node.host, "http_port": 0,
+                                                       "num_threads": self.config.rollout.engine_threads})
+                state = await ref.ask(EngineStatus(), timeout_s=ASK_S)
+                if self.version > 0:  # the current weights first, through a pusher of its own
+                    pusher = await self.system.spawn(WeightPusher, f"pusher-{name}", args=([name], self.sync_config))
+                    try:
+                        await self._push(pusher)
+                    finally:
+                        await self.system.stop(pusher)
+                await self.pusher.ask(JoinEngine(name=name), timeout_s=ASK_S)
+                self.engines.append(ref)
+                self.engine_urls[name] = state.url
+                actor = name if self.config.rollout.client == "actor" else ""
+                await self.scheduler.tell(AddEngine(name=name, url=state.url, version=self.version, actor=actor))
+                log.warning("node %d joined: %s serves from weight version %d", node.rank, name, self.version)
 
     async def _watch_engines(self, interval_s: float = 0.5) -> None:
         """Declare an engine that stops answering lost: the scheduler moves its samples, the pusher forgets it."""

@@ -131,6 +131,12 @@ class PushWeights(Message):
     Reply: ClassVar[Any] = PushReport
 
 
+class JoinEngine(Message):
+    """Push to this engine too from the next version on (it already holds the current one)."""
+
+    name: str
+
+
 class ForgetEngine(Message):
     name: str
     Reply: ClassVar[Any] = None
@@ -186,9 +192,18 @@ class WeightPusher(Actor):
             self.engine_names = [self.engine_names[i] for i in alive]
             self.refs = [self.refs[i] for i in alive]
             results = [results[i] for i in alive]
+            await self._close_group()  # a broadcast group with a dead member would hang: the next forms anew
             if not self.refs:
                 raise ActorDeadError(dead[0], Failure(type="NoEngineLeft", message="every engine is dead"))
         return list(results)
+
+    @handler
+    async def join_engine(self, msg: JoinEngine) -> None:
+        if msg.name in self.engine_names:
+            return
+        self.refs.append(await self.system.lookup(msg.name, timeout_s=self.config.timeout_s))
+        self.engine_names.append(msg.name)
+        await self._close_group()  # the next broadcast forms a group with the newcomer in it
 
     @handler
     async def forget_engine(self, msg: ForgetEngine) -> None:

@@ -44,8 +44,9 @@ from miles_async.trainer.fsdp import free_port
 log = logging.getLogger("miles_async.launch")
 
 
-def agent_name(node_rank: int) -> str:
-    return f"node-{node_rank}"
+def agent_name(node_rank: int, pid: int) -> str:
+    """The agent of one launcher: a node that comes back is a new launcher (pid), so a new name."""
+    return f"node-{node_rank}-{pid}"
 
 
 class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,7 +147,7 @@ class NodeAgent(Actor):
         while not self.done.is_set():
             await asyncio.sleep(self.watch_interval_s)
             try:
-                await self.system.directory.ask(Lookup(name=agent_name(self.node_rank)),
+                await self.system.directory.ask(Lookup(name=self.name),
                                                 timeout_s=self.system.config.heartbeat_timeout_s)
             except (ActorDeadError, AskTimeoutError) as e:
                 log.error("node %d: the controller's node is gone (%s); stopping this node", self.node_rank, e)

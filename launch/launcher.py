@@ -29,9 +29,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -62,19 +64,20 @@ def num_gpus() -> int:
         return 0
 
 
-async def wait_for_agents(system: Any, ranks: list[int], timeout_s: float) -> dict[int, Any]:
-    """Each node's agent, looked up in the run's directory as it registers; a clear error naming the
-    nodes whose agent did not come within `timeout_s`."""
+async def wait_for_agents(system: Any, infos: list[Any], timeout_s: float) -> dict[int, Any]:
+    """Each node's agent (by rank), looked up in the run's directory as it registers; a clear error
+    naming the nodes whose agent did not come within `timeout_s`."""
     from miles_async.launch.agent import agent_name
     from miles_async.runtime import UnknownActorError
 
     deadline = time.monotonic() + timeout_s
     found: dict[int, Any] = {}
+    ranks = [info.rank for info in infos]
     while True:
-        for rank in ranks:
-            if rank not in found:
+        for info in infos:
+            if info.rank not in found:
                 with contextlib.suppress(UnknownActorError):
-                    found[rank] = await system.lookup(agent_name(rank), timeout_s=timeout_s)
+                    found[info.rank] = await system.lookup(agent_name(info.rank, info.pid), timeout_s=timeout_s)
         missing = [r for r in ranks if r not in found]
         if not missing:
             return found
@@ -85,7 +88,54 @@ async def wait_for_agents(system: Any, ranks: list[int], timeout_s: float) -> di
         await asyncio.sleep(0.1)
 
 
-async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str, out: Path) -> int:
+def serve_joins(system: Any, store: Any, rdzv: Any, secret: bytes, controller: Any, agents: dict[int, Any],
+                args: Any) -> threading.Event:
+    """Admit launchers that arrive after the run started (a node back after it was lost, or a new
+    one: the elastic rollout fleet), from a thread polling the store. A rank whose node still
+    answers is refused. Set the returned event to stop."""
+    from miles_async.actors.controller import Node
+    from miles_async.launch.agent import GetNodeStatus, RemoteSpawner
+    from miles_async.launch.rendezvous import JoinServer
+
+    loop = asyncio.get_running_loop()
+    stop = threading.Event()
+    server = JoinServer(store, rdzv, secret)
+
+    def alive(rank: int) -> bool:
+        agent = agents.get(rank)
+        if agent is None:
+            return False
+        probe = asyncio.run_coroutine_threadsafe(agent.ask(GetNodeStatus(), timeout_s=2.0), loop)
+        try:
+            probe.result(timeout=5.0)
+            return True
+        except Exception:  # noqa: BLE001 - no answer: the node is gone
+            return False
+
+    def accept(info: Any) -> str | None:
+        return f"node {info.rank} is still in the run" if alive(info.rank) else None
+
+    async def admit(info: Any) -> None:
+        found = await wait_for_agents(system, [info], args.rdzv_timeout_s)
+        agents[info.rank] = found[info.rank]
+        controller.add_node(Node(rank=info.rank, host=info.host, spawner=RemoteSpawner(system, found[info.rank])))
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                info = server.poll(accept, timeout_s=0.5)
+            except Exception as e:  # noqa: BLE001 - the store is gone: the run is ending
+                log.warning("no more joins: %s", e)
+                return
+            if info is not None:
+                log.warning("node %d (%s) joins the running job", info.rank, info.host)
+                asyncio.run_coroutine_threadsafe(admit(info), loop)
+
+    threading.Thread(target=serve, name="join-server", daemon=True).start()
+    return stop
+
+
+async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str, out: Path, secret: bytes) -> int:
     from miles_async.actors.controller import Controller, LocalSpawner, Node
     from miles_async.launch.agent import RemoteSpawner, ShutdownNode
     from miles_async.runtime import ActorSystem
@@ -93,14 +143,14 @@ async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str
     runtime = runtime_config(host, args)
     async with ActorSystem("controller", config=runtime, key_dir=rdzv.key_dir) as system:
         await asyncio.to_thread(store.set, "directory", system.address)
-        others = [n.rank for n in rdzv.nodes if n.rank != 0]
-        agents = await wait_for_agents(system, others, args.rdzv_timeout_s)
+        agents = await wait_for_agents(system, [n for n in rdzv.nodes if n.rank != 0], args.rdzv_timeout_s)
         nodes = {0: Node(rank=0, host=host, spawner=LocalSpawner(system, host))}
         for info in rdzv.nodes:
             if info.rank != 0:
                 nodes[info.rank] = Node(rank=info.rank, host=info.host, spawner=RemoteSpawner(system, agents[info.rank]))
         controller = Controller(config, out, resume=args.resume, progress=not args.quiet, runtime=runtime,
                                 system=system, nodes=nodes)
+        joins = serve_joins(system, store, rdzv, secret, controller, agents, args)
         reason = "the run is over"
         try:
             result = await controller.run()
@@ -108,7 +158,8 @@ async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str
             reason = f"the run stopped on node 0: {type(e).__name__}: {e}"
             raise
         finally:
-            for rank, agent in agents.items():
+            joins.set()
+            for rank, agent in list(agents.items()):
                 try:
                     await agent.ask(ShutdownNode(reason=reason), timeout_s=60.0)
                 except Exception as e:  # noqa: BLE001 - a node already gone has nothing left to stop
@@ -128,7 +179,7 @@ async def run_other_node(args: Any, rdzv: Any, store: Any, host: str) -> int:
     outcome: dict[str, str] = {}
     async with ActorSystem(f"node{args.node_rank}", config=runtime_config(host, args), directory=directory,
                            key_dir=rdzv.key_dir) as system:
-        await system.spawn(NodeAgent, agent_name(args.node_rank),
+        await system.spawn(NodeAgent, agent_name(args.node_rank, os.getpid()),
                            kwargs={"node_rank": args.node_rank, "host": host, "num_gpus": num_gpus(),
                                    "controller_address": directory, "done": done, "outcome": outcome})
         print(f"{PROG}: node {args.node_rank} at {host} joined the run; serving until node 0 says stop",
@@ -186,7 +237,7 @@ def main(args: Any) -> int:
         if args.node_rank == 0:
             print(f"{PROG}: {args.nnodes} node(s) arrived: "
                   + ", ".join(f"{n.rank}={n.host}" for n in rdzv.nodes) + f"; {args.recipe} -> {out}", file=sys.stderr)
-            return run_async(run_node_zero(args, config, rdzv, store, host, out))
+            return run_async(run_node_zero(args, config, rdzv, store, host, out, secret))
         return run_async(run_other_node(args, rdzv, store, host))
     except TimeoutError as e:
         print(f"{PROG}: node {args.node_rank}: {e}", file=sys.stderr)

@@ -200,3 +200,55 @@ def test_a_trainer_rank_killed_stops_the_run_with_its_cause_and_resume_continues
     assert summary["num_steps"] == 14 and summary["resumed_from"]
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 14 and len(steps) > stopped_at
+
+
+def first_versions(out: Path) -> dict[str, int]:
+    """Per engine, the weight version of its first sample (by submit time)."""
+    first: dict[str, tuple[float, int]] = {}
+    for line in (out / "trace.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["kind"] == "sample" and (r["engine"] not in first or r["submit_s"] < first[r["engine"]][0]):
+            first[r["engine"]] = (r["submit_s"], r["versions"][0])
+    return {engine: version for engine, (_, version) in first.items()}
+
+
+def joined_at(err: str, engine: str) -> int:
+    line = next(line for line in err.splitlines() if f"joined: {engine} serves from weight version" in line)
+    return int(line.rsplit(" ", 1)[1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_node_added_to_a_running_job_serves_after_receiving_the_weights(tmp_path: Path) -> None:
+    port, out = free_port(), tmp_path / "run"
+    args = [*SHORT, "loop.num_steps=250", "eval.mode=none", "placement.engines=[1]", "weights.transport=broadcast",
+            "--heartbeat-timeout-s", "3"]
+    procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args)]
+    wait_steps(out, 10, 180, procs)
+    procs.append(launcher(2, 3, port, out, *args))  # elastic: a third node, not in the first rendezvous
+    (rc0, _, err0), (rc1, _, _), (rc2, _, err2) = finish(procs, 240)
+    assert rc0 == 0 and rc1 == 0 and rc2 == 0, err0[-2000:] + err2[-2000:]
+    version = joined_at(err0, "engine-1")
+    assert version > 0 and first_versions(out)["engine-1"] >= version  # the weights came before the work
+    for p in procs:
+        assert session_pids(p.pid) == [], "a process of the run outlived it"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_lost_node_that_comes_back_rejoins_with_the_current_weights(tmp_path: Path) -> None:
+    port, out = free_port(), tmp_path / "run"
+    args = [*SHORT, "loop.num_steps=300", "eval.mode=none", "rollout.num_engines=2", "placement.engines=[0,1]",
+            "weights.transport=broadcast", "--heartbeat-timeout-s", "3"]
+    procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args)]
+    wait_steps(out, 10, 180, procs)
+    os.killpg(procs[1].pid, 9)
+    time.sleep(4.5)  # past the heartbeat timeout: node 0 has declared it lost
+    back = launcher(1, 2, port, out, *args)
+    (rc0, _, err0), (rc_back, _, err_back) = finish([procs[0], back], 240)
+    assert rc0 == 0 and rc_back == 0, err0[-2000:] + err_back[-2000:]
+    assert "engine engine-1 is gone" in err0
+    version = joined_at(err0, "engine-2")
+    assert first_versions(out)["engine-2"] >= version > 0
+    for p in [*procs, back]:
+        assert session_pids(p.pid) == [], "a process of the run outlived it"
