@@ -76,6 +76,13 @@ class FreePort(Message):
     Reply: ClassVar[Any] = int
 
 
+class StopChildren(Message):
+    """Stop every process this agent started (their engines were declared lost while this node was
+    cut off); the agent stays, ready to start new ones."""
+
+    Reply: ClassVar[Any] = None
+
+
 class ShutdownNode(Message):
     """Stop every process this agent started, then the agent's own process (the launcher exits)."""
 
@@ -129,6 +136,10 @@ class NodeAgent(Actor):
         return free_port(self.host)
 
     @handler
+    async def stop_children(self, msg: StopChildren) -> None:
+        await self._stop_children()
+
+    @handler
     async def shutdown(self, msg: ShutdownNode) -> None:
         await self._stop_children()
         self.outcome.update(reason=msg.reason, clean="yes")
@@ -143,13 +154,22 @@ class NodeAgent(Actor):
         self.children.clear()
 
     async def _watch_controller(self) -> None:
-        """Exit when the controller's node stops answering: a node must not outlive its run."""
+        """Exit when the controller's node stops answering for good: a node must not outlive its run.
+        A while of silence is not enough (this node may have been cut off, and be back): only
+        silence for twice the heartbeat timeout, through several tries, ends it."""
+        timeout_s = self.system.config.heartbeat_timeout_s
+        silent_since: float | None = None
         while not self.done.is_set():
             await asyncio.sleep(self.watch_interval_s)
             try:
-                await self.system.directory.ask(Lookup(name=self.name),
-                                                timeout_s=self.system.config.heartbeat_timeout_s)
+                await self.system.directory.ask(Lookup(name=self.name), timeout_s=timeout_s)
+                silent_since = None
+                continue
             except (ActorDeadError, AskTimeoutError) as e:
+                now = asyncio.get_running_loop().time()
+                silent_since = silent_since if silent_since is not None else now
+                if now - silent_since < 2 * timeout_s:
+                    continue
                 log.error("node %d: the controller's node is gone (%s); stopping this node", self.node_rank, e)
                 self.outcome.update(reason=f"the controller's node stopped answering ({type(e).__name__}: {e})",
                                     clean="no")

@@ -117,7 +117,7 @@ def serve_joins(system: Any, store: Any, rdzv: Any, secret: bytes, controller: A
 
     async def admit(info: Any) -> None:
         found = await wait_for_agents(system, [info], args.rdzv_timeout_s)
-        agents[info.rank] = found[info.rank]
+        agents[info.rank] = found[info.rank]  # the new launcher's agent replaces the lost one's
         controller.add_node(Node(rank=info.rank, host=info.host, spawner=RemoteSpawner(system, found[info.rank])))
 
     def serve() -> None:
@@ -132,7 +132,40 @@ def serve_joins(system: Any, store: Any, rdzv: Any, secret: bytes, controller: A
                 asyncio.run_coroutine_threadsafe(admit(info), loop)
 
     threading.Thread(target=serve, name="join-server", daemon=True).start()
+    asyncio.ensure_future(watch_nodes(system, controller, agents, rdzv, args.heartbeat_timeout_s, stop))
     return stop
+
+
+async def watch_nodes(system: Any, controller: Any, agents: dict[int, Any], rdzv: Any, timeout_s: float,
+                      stop: threading.Event) -> None:
+    """A node cut off (no answer past the heartbeat timeout: its engines are declared lost) whose
+    agent answers again later is back: its stale processes are stopped, and it is admitted again
+    like a rejoining node (new engines, the current weights first)."""
+    from miles_async.actors.controller import Node
+    from miles_async.launch.agent import GetNodeStatus, RemoteSpawner, StopChildren
+
+    hosts = {n.rank: n.host for n in rdzv.nodes}
+    silent_since: dict[int, float] = {}
+    lost: dict[int, Any] = {}  # rank -> the agent that went silent (a rejoin brings a new one)
+    while not stop.is_set():
+        await asyncio.sleep(0.5)
+        for rank, agent in list(agents.items()):
+            try:
+                status = await agent.ask(GetNodeStatus(), timeout_s=1.0)
+            except Exception:  # noqa: BLE001 - silent: cut off, or gone
+                silent_since.setdefault(rank, time.monotonic())
+                if rank not in lost and time.monotonic() - silent_since[rank] > timeout_s:
+                    lost[rank] = agent
+                    log.warning("node %d is cut off or gone", rank)
+                continue
+            silent_since.pop(rank, None)
+            was = lost.pop(rank, None)
+            if was is agent:  # the same agent answers again: the node was cut off, not restarted
+                log.warning("node %d (%s) is back: restarting its engines with the current weights", rank,
+                            status.host)
+                await agent.ask(StopChildren(), timeout_s=60.0)
+                controller.add_node(Node(rank=rank, host=hosts.get(rank, status.host),
+                                         spawner=RemoteSpawner(system, agent)))
 
 
 async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str, out: Path, secret: bytes) -> int:

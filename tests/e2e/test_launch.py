@@ -252,3 +252,26 @@ def test_a_lost_node_that_comes_back_rejoins_with_the_current_weights(tmp_path: 
     assert first_versions(out)["engine-2"] >= version > 0
     for p in [*procs, back]:
         assert session_pids(p.pid) == [], "a process of the run outlived it"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_engine_node_cut_off_and_back_rejoins_with_the_current_weights(tmp_path: Path) -> None:
+    """Node 1 frozen (SIGSTOP on all its processes: nothing leaves it, as with its link down) past the
+    heartbeat timeout: its engine is declared lost and the run goes on; when it thaws, its agent
+    answers again, its stale engine is stopped and a fresh one gets the current weights first."""
+    port, out = free_port(), tmp_path / "run"
+    args = [*SHORT, "loop.num_steps=400", "eval.mode=none", "rollout.num_engines=2", "placement.engines=[0,1]",
+            "weights.transport=broadcast", "--heartbeat-timeout-s", "3"]
+    procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args)]
+    wait_steps(out, 10, 180, procs)
+    os.killpg(procs[1].pid, 19)  # SIGSTOP
+    time.sleep(6)
+    os.killpg(procs[1].pid, 18)  # SIGCONT
+    (rc0, _, err0), (rc1, _, err1) = finish(procs, 240)
+    assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
+    assert "engine engine-1 is gone" in err0 and "node 1 (127.0.0.2) is back" in err0
+    version = joined_at(err0, "engine-2")
+    assert first_versions(out)["engine-2"] >= version > 0
+    for p in procs:
+        assert session_pids(p.pid) == [], "a process of the run outlived it"
