@@ -270,8 +270,9 @@ class EngineActor(Actor):
             if self.group is not None:
                 await compute.run(self.group.close)
             self.group = None
-            self.group = await compute.run(WeightGroup.join, msg.host, msg.port, msg.rank, msg.world_size,
-                                           backend=msg.backend, timeout_s=msg.timeout_s)
+            self.group = await compute.run(functools.partial(
+                WeightGroup.join, msg.host, msg.port, msg.rank, msg.world_size, backend=msg.backend,
+                timeout_s=msg.timeout_s, local_host=self.http[0]))
             self.group_id = msg.group_id
         layout = layout_from_json(msg.layout_json)
         target = self.engine.weights.target()

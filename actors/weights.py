@@ -338,7 +338,7 @@ class WeightPusher(Actor):
         try:
             if self.group is None:
                 self.group = await self._on_thread(functools.partial(
-                    WeightGroup.join, cfg.host, self._store.port, 0, world_size, backend=cfg.backend,
+                    WeightGroup.join, cfg.host, self._store.port, 0, world_size, backend=cfg.backend, local_host=cfg.host,
                     timeout_s=cfg.timeout_s, store=self._store))
             device = "cuda" if cfg.backend == "nccl" else "cpu"  # NCCL moves device memory only
             await self._on_thread(functools.partial(send_buckets, buckets, self.group, device=device))
@@ -350,6 +350,13 @@ class WeightPusher(Actor):
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self._close_group()
+            # An engine declared lost while the broadcast ran (its node went silent past the
+            # heartbeat timeout) is forgotten even if it answers again later: the controller has
+            # forgotten it too, and a node that comes back is admitted afresh.
+            lost = [ref.name for ref, r in zip(self.refs, results) if isinstance(r, ActorDeadError)]
+            keep = [i for i, ref in enumerate(self.refs) if ref.name not in lost]
+            self.engine_names = [self.engine_names[i] for i in keep]
+            self.refs = [self.refs[i] for i in keep]
             raise errors[0]
 
     async def _close_group(self) -> None:

@@ -41,8 +41,13 @@ class WeightGroup:
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world_size: int, *, backend: str = "gloo",
-             timeout_s: float = 300.0, name: str = "weights", store: dist.Store | None = None) -> WeightGroup:
-        """Join the group (blocks until every member has); rank 0 passes the store it opened."""
+             timeout_s: float = 300.0, name: str = "weights", store: dist.Store | None = None,
+             local_host: str | None = None) -> WeightGroup:
+        """Join the group (blocks until every member has); rank 0 passes the store it opened.
+
+        `local_host`: the address this member's gloo connections use (its node's, in a multi-node
+        run); without it gloo picks by resolving the machine's hostname, which may be loopback.
+        """
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         if not 0 <= rank < world_size:
@@ -53,6 +58,11 @@ class WeightGroup:
         prefixed = dist.PrefixStore(name, store)
         if backend == "nccl":
             pg = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+        elif local_host:
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
+            options._timeout = timeout
+            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
         else:
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         return cls(pg, rank, world_size, backend, store)

@@ -16,10 +16,17 @@ import time
 from pathlib import Path
 
 import pytest
+from _support_launch import (
+    RECIPE,
+    SECRET,
+    finish,
+    first_versions,
+    free_port,
+    joined_at,
+    session_pids,
+    wait_steps,
+)
 from _support_run import SHORT
-
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "reverse.toml"
-SECRET = "b" * 64
 
 
 def loopback_ok(host: str) -> bool:
@@ -34,12 +41,6 @@ def loopback_ok(host: str) -> bool:
 pytestmark = pytest.mark.skipif(not loopback_ok("127.0.0.2"), reason="cannot bind 127.0.0.2 (no 127/8 on lo)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launcher(rank: int, nnodes: int, port: int, out: Path, *extra: str, env: dict | None = None,
              quiet: bool = True) -> subprocess.Popen:
     args = [sys.executable, "-m", "miles_async.launch.cli", "launch", "--nnodes", str(nnodes), "--node-rank", str(rank),
@@ -51,33 +52,6 @@ def launcher(rank: int, nnodes: int, port: int, out: Path, *extra: str, env: dic
         args.append("--quiet")
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env={**os.environ, "MILES_ASYNC_SECRET": SECRET, **(env or {})})
-
-
-def session_pids(sid: int) -> list[int]:
-    """Every live process of the session a launcher started (its descendants, however re-parented)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
-
-
-def finish(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str, str]]:
-    deadline = time.monotonic() + timeout_s
-    outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                os.killpg(q.pid, 9)
-            raise
-        outs.append((p.returncode, out, err))
-    return outs
 
 
 SHORT_TWO_NODES = [*SHORT, "loop.num_steps=3", "eval.mode=none", "placement.engines=[1]", "weights.transport=broadcast"]
@@ -120,18 +94,6 @@ def test_a_wrong_secret_is_refused_on_both_sides(tmp_path: Path) -> None:
     (rc0, _, err0), (rc1, _, err1) = finish(procs, 45)
     assert rc0 == 3 and "node 1" in err0 and "secret" in err0, err0
     assert rc1 == 3 and "secret" in err1, err1
-
-
-def wait_steps(out: Path, steps: int, timeout_s: float, procs: list[subprocess.Popen]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        metrics = out / "metrics.jsonl"
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
-            return
-        if any(p.poll() is not None for p in procs):
-            raise AssertionError(f"a launcher ended early: {[p.poll() for p in procs]}")
-        time.sleep(0.2)
-    raise AssertionError(f"{steps} steps not done within {timeout_s:g}s")
 
 
 @pytest.mark.slow
@@ -200,21 +162,6 @@ def test_a_trainer_rank_killed_stops_the_run_with_its_cause_and_resume_continues
     assert summary["num_steps"] == 14 and summary["resumed_from"]
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 14 and len(steps) > stopped_at
-
-
-def first_versions(out: Path) -> dict[str, int]:
-    """Per engine, the weight version of its first sample (by submit time)."""
-    first: dict[str, tuple[float, int]] = {}
-    for line in (out / "trace.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if r["kind"] == "sample" and (r["engine"] not in first or r["submit_s"] < first[r["engine"]][0]):
-            first[r["engine"]] = (r["submit_s"], r["versions"][0])
-    return {engine: version for engine, (_, version) in first.items()}
-
-
-def joined_at(err: str, engine: str) -> int:
-    line = next(line for line in err.splitlines() if f"joined: {engine} serves from weight version" in line)
-    return int(line.rsplit(" ", 1)[1])
 
 
 @pytest.mark.slow
