@@ -179,7 +179,7 @@ class Controller:
 
     def __init__(self, config: RunConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
                  runtime: RuntimeConfig | None = None, system: ActorSystem | None = None,
-                 nodes: dict[int, Node] | None = None) -> None:
+                 nodes: dict[int, Node] | None = None, engine_api_key: str | None = None) -> None:
         self.config = config
         self.run_dir = Path(run_dir)
         self.resume = resume
@@ -189,6 +189,7 @@ class Controller:
         self.start_time = time.time()
         self.system: ActorSystem | None = system  # given: a multi-node run's (the launcher owns it)
         self.nodes = nodes
+        self.engine_api_key = engine_api_key  # required by the engines' HTTP API (multi-node: off loopback)
         missing = sorted(config.placement.nodes - set(nodes or {0: None}))
         if missing:
             raise ValueError(f"placement puts work on node(s) {missing} but the run's nodes are "
@@ -268,7 +269,8 @@ class Controller:
         self.num_engines_started = r.num_engines
         self.engine_cfg = engine_cfg
         spawns = [node.spawner.spawn(EngineActor, name, args=(str(self.model_dir), engine_cfg),
-                                     kwargs={"http_host": node.host, "http_port": 0, "num_threads": r.engine_threads})
+                                     kwargs={"http_host": node.host, "http_port": 0, "num_threads": r.engine_threads,
+                                             "api_key": self.engine_api_key})
                   for name, node in zip(names, placed)]
         trainer_node = nodes[cfg.placement.trainer]
         trainer_spawn = TrainerGroup.spawn(
@@ -296,10 +298,10 @@ class Controller:
         cfg = self.config
         r, loop = cfg.rollout, cfg.loop
         workers = [f"rollout-{i}" for i in range(r.num_workers)]
-        agent_kwargs: dict[str, Any] = {}
+        agent_kwargs: dict[str, Any] = {"api_key": self.engine_api_key}
         if self.agentic:
             assert self.sessions is not None
-            agent_kwargs = {"agent": cfg.agent.agent, "environment": cfg.agent.environment,
+            agent_kwargs |= {"agent": cfg.agent.agent, "environment": cfg.agent.environment,
                             "session_url": self.sessions.url, "sandbox": cfg.agent.sandbox,
                             "rollout": cfg.agent.rollout}
         for name in workers:
@@ -408,7 +410,8 @@ class Controller:
         params = {"max_new_tokens": self.config.rollout.sampling.max_new_tokens, "temperature": temperature}
         scores: list[float] = []
         async with contextlib.AsyncExitStack() as stack:
-            clients = [await stack.enter_async_context(EngineClient(u, timeout_s=ASK_S)) for u in urls]
+            clients = [await stack.enter_async_context(EngineClient(u, timeout_s=ASK_S, api_key=self.engine_api_key))
+                       for u in urls]
             chunks = [items[i::len(clients)] for i in range(len(clients))]
             outs = await asyncio.gather(*(c.generate(input_ids=[p.input_ids for p in chunk], sampling_params=params)
                                           for c, chunk in zip(clients, chunks) if chunk))
@@ -647,7 +650,8 @@ class Controller:
                     self.nodes = {0: Node(rank=0, host="127.0.0.1", spawner=LocalSpawner(system))}
                 await self._spawn(system)
                 if self.agentic:  # the TITO session server, in this process, routing sessions to the engines
-                    self.sessions = SessionServer([self.engine_urls[e.name] for e in self.engines], str(self.model_dir))
+                    self.sessions = SessionServer([self.engine_urls[e.name] for e in self.engines], str(self.model_dir),
+                                                  engine_api_key=self.engine_api_key)
                     await self.sessions.start()
                 first_step, first_prompt, sft_steps, sft_acc = await self._resume_or_warm_start()
                 await self._spawn_rollout(system, first_prompt)
@@ -746,7 +750,8 @@ class Controller:
                 self.num_engines_started += 1
                 ref = await node.spawner.spawn(EngineActor, name, args=(str(self.model_dir), self.engine_cfg),
                                                kwargs={"http_host": node.host, "http_port": 0,
-                                                       "num_threads": self.config.rollout.engine_threads})
+                                                       "num_threads": self.config.rollout.engine_threads,
+                                                       "api_key": self.engine_api_key})
                 state = await ref.ask(EngineStatus(), timeout_s=ASK_S)
                 if self.version > 0:  # the current weights first, through a pusher of its own
                     pusher = await self.system.spawn(WeightPusher, f"pusher-{name}", args=([name], self.sync_config))

@@ -178,13 +178,15 @@ class EngineActor(Actor):
     engine: Engine
 
     def __init__(self, model_dir: str, config: EngineConfig | None = None, *, dtype: str = "float32",
-                 http_host: str = "127.0.0.1", http_port: int | None = None, num_threads: int = 0) -> None:
+                 http_host: str = "127.0.0.1", http_port: int | None = None, num_threads: int = 0,
+                 api_key: str | None = None) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         self.model_dir = model_dir
         self.config = config or EngineConfig()
         self.dtype = dtype
         self.http = (http_host, http_port)
+        self.api_key = api_key  # required of HTTP clients (a multi-node run's engines listen off loopback)
         self.num_threads = num_threads  # torch threads of the compute thread; 0 leaves torch's default
         self.server: EngineServer | None = None
         self.group: WeightGroup | None = None
@@ -201,7 +203,7 @@ class EngineActor(Actor):
         colocated.register(self.name, self.engine)
         host, port = self.http
         if port is not None:
-            self.server = EngineServer(self.engine, host, port)
+            self.server = EngineServer(self.engine, host, port, api_key=self.api_key)
             await self.server.start()
 
     async def on_stop(self) -> None:

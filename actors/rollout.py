@@ -150,8 +150,9 @@ class RolloutWorker(Actor):
 
     def __init__(self, reward: str, *, timeout_s: float = 600.0, agent: str = "", environment: str = "",
                  session_url: str = "", sandbox: bool = False,
-                 rollout: str = "miles_async.agents.api:run_episode") -> None:
+                 rollout: str = "miles_async.agents.api:run_episode", api_key: str | None = None) -> None:
         self.reward_fn = load_reward(reward)
+        self.api_key = api_key  # the engines' HTTP API key (a multi-node run's)
         self.timeout_s = timeout_s
         # Agent mode: each sample is an episode of `agent` in `environment`, talking to the policy
         # through a session of the TITO server at `session_url`.
@@ -178,7 +179,7 @@ class RolloutWorker(Actor):
     def _client(self, url: str) -> EngineClient:
         client = self.clients.get(url)
         if client is None:
-            client = self.clients[url] = EngineClient(url, timeout_s=self.timeout_s)
+            client = self.clients[url] = EngineClient(url, timeout_s=self.timeout_s, api_key=self.api_key)
         return client
 
     async def _engine_ref(self, name: str) -> ActorRef:

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
 import os
 import socket
@@ -181,8 +183,10 @@ async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str
         for info in rdzv.nodes:
             if info.rank != 0:
                 nodes[info.rank] = Node(rank=info.rank, host=info.host, spawner=RemoteSpawner(system, agents[info.rank]))
+        # The engines' HTTP APIs listen on the nodes' addresses: only holders of the run's secret get in.
+        api_key = hmac.new(secret, f"miles-async engine api {rdzv.run_id}".encode(), hashlib.sha256).hexdigest()
         controller = Controller(config, out, resume=args.resume, progress=not args.quiet, runtime=runtime,
-                                system=system, nodes=nodes)
+                                system=system, nodes=nodes, engine_api_key=api_key)
         joins = serve_joins(system, store, rdzv, secret, controller, agents, args)
         reason = "the run is over"
         try:

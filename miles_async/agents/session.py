@@ -431,7 +431,7 @@ class SessionServer(AppServer):
 
     def __init__(self, engine_urls: Sequence[str], model_dir_or_tokenizer: str | Path | Tokenizer,
                  host: str = "127.0.0.1", port: int = 0, *, max_sessions: int = DEFAULT_MAX_SESSIONS,
-                 engine_timeout_s: float = 600.0) -> None:
+                 engine_timeout_s: float = 600.0, engine_api_key: str | None = None) -> None:
         if not engine_urls:
             raise ValueError("give at least one engine URL (e.g. http://127.0.0.1:30000)")
         if isinstance(model_dir_or_tokenizer, Tokenizer):
@@ -440,7 +440,8 @@ class SessionServer(AppServer):
             tokenizer, self.model = load_tokenizer(model_dir_or_tokenizer), Path(model_dir_or_tokenizer).name
         self.tito = TitoTokenizer(tokenizer)
         self.tokenizer = tokenizer
-        self.engines = [EngineSlot(url, EngineClient(url, timeout_s=engine_timeout_s)) for url in engine_urls]
+        self.engines = [EngineSlot(url, EngineClient(url, timeout_s=engine_timeout_s, api_key=engine_api_key))
+                        for url in engine_urls]
         super().__init__(host, port)
         self.max_sessions = max_sessions
         self.sessions: dict[str, Session] = {}

@@ -45,8 +45,9 @@ class EngineClient:
     """One connection pool to one engine; use as an async context manager (or call close())."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
-                 max_connections: int = 1024) -> None:
+                 max_connections: int = 1024, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
@@ -54,7 +55,7 @@ class EngineClient:
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                timeout=self._timeout, read_bufsize=READ_BUFFER_BYTES,
+                timeout=self._timeout, read_bufsize=READ_BUFFER_BYTES, headers=self._headers,
                 connector=aiohttp.TCPConnector(limit=self._max_connections))
         return self._session
 

@@ -26,6 +26,7 @@ import abc
 import array
 import asyncio
 import base64
+import hmac
 import json
 import logging
 import signal
@@ -356,17 +357,34 @@ def create_app(engine: Engine) -> web.Application:
     return app
 
 
+def _require_key(api_key: str) -> Any:
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return web.json_response({"error": {"message": "missing or wrong API key (Authorization: Bearer ...)",
+                                                "type": "unauthorized"}}, status=401)
+        return await handler(request)
+
+    return check
+
+
 class AppServer(abc.ABC):
     """An aiohttp application served on host:port (port 0: any free one) inside the running loop.
 
     Subclasses say which application (`make_app`); `start` returns the URL, `stop` closes it, and
     `async with` does both. handler_cancellation: a client that disconnects cancels its handler
-    (the engine then aborts its request).
+    (the engine then aborts its request). `api_key`: every request must carry
+    `Authorization: Bearer <api_key>` (as SGLang's `--api-key`), else HTTP 401; a multi-node run
+    sets one, since its engines listen on addresses other machines reach.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> None:
         self.host = host
         self.port = port
+        self.api_key = api_key
         self._runner: web.AppRunner | None = None
 
     @abc.abstractmethod
@@ -378,7 +396,10 @@ class AppServer(abc.ABC):
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> str:
-        self._runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
+        app = self.make_app()
+        if self.api_key:
+            app.middlewares.append(_require_key(self.api_key))
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -405,8 +426,8 @@ class EngineServer(AppServer):
             client = EngineClient(server.url)
     """
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0) -> None:
-        super().__init__(host, port)
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> None:
+        super().__init__(host, port, api_key)
         self.engine = engine
 
     def make_app(self) -> web.Application:

@@ -478,3 +478,23 @@ def test_cli_serve_engine_serves_until_sigterm(model_dir):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_an_api_key_is_required_when_set(model_dir):
+    """A multi-node run's engines listen off loopback: without the key, every route answers 401."""
+    async def main():
+        engine = Engine.from_pretrained(str(model_dir), config=EngineConfig(kv_cache_mib=8))
+        async with EngineServer(engine, api_key="k3y") as server:
+            async with EngineClient(server.url, timeout_s=TIMEOUT_S) as anonymous:
+                for call in (anonymous.server_info(), anonymous.generate(input_ids=[5, 6], sampling_params={})):
+                    with pytest.raises(EngineHTTPError) as refused:
+                        await call
+                    assert refused.value.status == 401 and "API key" in refused.value.message
+            async with EngineClient(server.url, timeout_s=TIMEOUT_S, api_key="wrong") as wrong:
+                with pytest.raises(EngineHTTPError):
+                    await wrong.server_info()
+            async with EngineClient(server.url, timeout_s=TIMEOUT_S, api_key="k3y") as keyed:
+                out = await keyed.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2, "temperature": 0})
+                assert len(out["output_ids"]) == 2
+
+    run(main())

@@ -54,7 +54,9 @@ def launcher(rank: int, nnodes: int, port: int, out: Path, *extra: str, env: dic
                             env={**os.environ, "MILES_ASYNC_SECRET": SECRET, **(env or {})})
 
 
-SHORT_TWO_NODES = [*SHORT, "loop.num_steps=3", "eval.mode=none", "placement.engines=[1]", "weights.transport=broadcast"]
+# eval on the shared engine: the controller scores through node 1's engine HTTP API, which wants the run's key
+SHORT_TWO_NODES = [*SHORT, "loop.num_steps=3", "eval.mode=shared", "eval.every=3", "placement.engines=[1]",
+                   "weights.transport=broadcast"]
 
 
 @pytest.mark.slow
@@ -67,7 +69,7 @@ def test_two_nodes_run_the_recipe_with_the_engine_on_node_1(tmp_path: Path) -> N
     assert rc0 == 0, err0[-3000:] + "\n---node 1---\n" + err1[-2000:]
     assert rc1 == 0, err1[-3000:]
     summary = json.loads(out0.strip().splitlines()[-1])
-    assert summary["num_steps"] == 3 and not summary["interrupted"]
+    assert summary["num_steps"] == 3 and not summary["interrupted"] and len(summary["eval_scores"]) == 1
     assert "node 1: started engine-0" in err1  # the engine ran on node 1, the trainer on node 0
     assert "node 1 stops: the run is over" in err1
     for p in procs:
