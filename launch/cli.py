@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -89,8 +90,8 @@ def _init_model(args: argparse.Namespace, extra: list[str]) -> int:
 def _serve_engine(args: argparse.Namespace, extra: list[str]) -> int:
     from miles_async.engine.server import main as serve_engine
 
-    return serve_engine(args.model, args.host, args.port, kv_cache_mib=args.kv_cache_mib,
-                        max_running_requests=args.max_running_requests)
+    return serve_engine(args.model, args.host, args.port, api_key=args.api_key or os.environ.get("MILES_ASYNC_API_KEY"),
+                        kv_cache_mib=args.kv_cache_mib, max_running_requests=args.max_running_requests)
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -227,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="port, 0 for any free one (default: %(default)s)")
     engine.add_argument("--kv-cache-mib", type=float, default=512.0, metavar="MIB",
                         help="KV cache memory, all layers (default: %(default)s)")
+    engine.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on every request "
+                        "(default: MILES_ASYNC_API_KEY; none on loopback)")
     engine.add_argument("--max-running-requests", type=int, default=256, metavar="N",
                         help="requests decoded together at most; more wait (default: %(default)s)")
     session = _add_verb(servers, "session", "the TITO session server, OpenAI-compatible", _serve_session)

@@ -434,18 +434,18 @@ class EngineServer(AppServer):
         return create_app(self.engine)
 
 
-async def serve_forever(engine: Engine, host: str, port: int) -> None:
+async def serve_forever(engine: Engine, host: str, port: int, api_key: str | None = None) -> None:
     """Serve until SIGINT or SIGTERM; print the URL once listening (port 0 picks a free one)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with EngineServer(engine, host, port) as server:
+    async with EngineServer(engine, host, port, api_key=api_key) as server:
         print(f"miles-async engine: serving {engine.model_path} on {server.url}", flush=True)
         await stop.wait()
 
 
-def main(model_path: str, host: str, port: int, **engine_config: Any) -> int:
+def main(model_path: str, host: str, port: int, api_key: str | None = None, **engine_config: Any) -> int:
     """`miles-async serve engine`: load the model, serve until interrupted."""
     from miles_async.engine.core import EngineConfig
 
@@ -455,5 +455,9 @@ def main(model_path: str, host: str, port: int, **engine_config: Any) -> int:
     except (OSError, ValueError) as e:
         print(f"miles-async serve engine: cannot serve {model_path}: {e}", file=sys.stderr)
         return 2
-    asyncio.run(serve_forever(engine, host, port))
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        logging.getLogger("miles_async.engine").warning(
+            "serving on %s without --api-key: anyone who reaches this address can generate and replace the weights",
+            host)
+    asyncio.run(serve_forever(engine, host, port, api_key))
     return 0
