@@ -682,14 +682,22 @@ def _verdict(handle: StoreHandle, got: str, info: NodeInfo, nnodes: int, secret:
     rank = info.rank
     if got.endswith("abort"):
         raise RendezvousError(_abort_message(handle.get(got, 1.0), rank, secret, run_id, where))
+    return _take_keys(handle, f"{PREFIX}keys", secret, run_id, run_id, info, key_dir, nnodes=nnodes)
+
+
+def _take_keys(handle: StoreHandle, key: str, secret: bytes, ad: str, run_id: str, info: NodeInfo, key_dir: str,
+               *, nnodes: int | None = None) -> Rendezvous:
+    """Unseal node 0's answer at `key` (sealed for `ad`), check it names this node as it arrived
+    (and, for the initial rendezvous, holds `nnodes` nodes), and write the run's keys."""
+    rank = info.rank
     try:
-        payload = msgspec.json.decode(unseal(secret, run_id, handle.get(f"{PREFIX}keys", 1.0)), type=_Payload)
+        payload = msgspec.json.decode(unseal(secret, ad, handle.get(key, 1.0)), type=_Payload)
     except (ValueError, TimeoutError) as e:  # msgspec.DecodeError is a ValueError
         raise RendezvousError(f"node {rank}: the keys from node 0 do not verify: this node's secret "
                               f"differs from node 0's ({e})") from e
     if payload.run_id != run_id:
         raise RendezvousError(f"node {rank}: the keys from node 0 are for run {payload.run_id}, not {run_id}")
-    if len(payload.nodes) != nnodes or payload.nodes[rank] != info:
+    if (nnodes is not None and len(payload.nodes) != nnodes) or [n for n in payload.nodes if n.rank == rank] != [info]:
         raise RendezvousError(f"node {rank}: node 0's list of nodes does not hold this node as it arrived")
     _write_keys(key_dir, payload.public, payload.secret)
     return Rendezvous(run_id=run_id, nodes=payload.nodes, key_dir=str(key_dir),
@@ -741,18 +749,7 @@ def _join(handle: StoreHandle, info: NodeInfo, nnodes: int, secret: bytes, run_i
             f"(request {seq}) within {timeout_s:g} s: is node 0's launcher serving joins?")
     if got.endswith("abort"):
         raise RendezvousError(_refusal_message(handle.get(got, 1.0), rank, secret, ad, where))
-    try:
-        payload = msgspec.json.decode(unseal(secret, ad, handle.get(got, 1.0)), type=_Payload)
-    except (ValueError, TimeoutError) as e:  # msgspec.DecodeError is a ValueError
-        raise RendezvousError(f"node {rank}: the keys from node 0 do not verify: this node's secret "
-                              f"differs from node 0's ({e})") from e
-    if payload.run_id != run_id:
-        raise RendezvousError(f"node {rank}: the keys from node 0 are for run {payload.run_id}, not {run_id}")
-    if [n for n in payload.nodes if n.rank == rank] != [info]:
-        raise RendezvousError(f"node {rank}: node 0's list of nodes does not hold this node as it arrived")
-    _write_keys(key_dir, payload.public, payload.secret)
-    return Rendezvous(run_id=run_id, nodes=payload.nodes, key_dir=str(key_dir),
-                      master_addr=handle.master_addr, master_port=handle.master_port)
+    return _take_keys(handle, got, secret, ad, run_id, info, key_dir)
 
 
 def _refusal_message(raw: bytes, rank: int, secret: bytes, ad: str, where: str) -> str:
