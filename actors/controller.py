@@ -126,7 +126,7 @@ class Spawner(Protocol):
     one; `miles_async.launch.agent.RemoteSpawner` on another), and finds a free port there."""
 
     async def spawn(self, cls: type, name: str, *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-                    restart: RestartPolicy | None = None) -> ActorRef: ...
+                    restart: RestartPolicy | None = None, env: dict[str, str] | None = None) -> ActorRef: ...
 
     async def free_port(self) -> int: ...
 
@@ -139,8 +139,8 @@ class LocalSpawner:
         self.host = host
 
     async def spawn(self, cls: type, name: str, *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-                    restart: RestartPolicy | None = None) -> ActorRef:
-        return await self.system.spawn(cls, name, args=args, kwargs=kwargs, process=True, restart=restart)
+                    restart: RestartPolicy | None = None, env: dict[str, str] | None = None) -> ActorRef:
+        return await self.system.spawn(cls, name, args=args, kwargs=kwargs, process=True, restart=restart, env=env)
 
     async def free_port(self) -> int:
         return free_port(self.host)
@@ -154,6 +154,7 @@ class Node:
     rank: int
     host: str
     spawner: Spawner
+    num_gpus: int = 0  # 0: CPU only (or GPUs left to the processes: a one-node run)
 
 
 @dataclass(slots=True)
@@ -209,6 +210,7 @@ class Controller:
         self.update_task: asyncio.Future | None = None  # the weight push in flight
         self.joins: asyncio.Queue[Node] = asyncio.Queue()  # nodes (re)joining the running job
         self.num_engines_started = 0
+        self._gpus_given: dict[int, int] = {}  # per node: engines given a GPU so far
         self.rollout_rewards: list[float] = []  # of every sample finished since the last step
 
     # ----- setup -----
@@ -270,7 +272,7 @@ class Controller:
         self.engine_cfg = engine_cfg
         spawns = [node.spawner.spawn(EngineActor, name, args=(str(self.model_dir), engine_cfg),
                                      kwargs={"http_host": node.host, "http_port": 0, "num_threads": r.engine_threads,
-                                             "api_key": self.engine_api_key})
+                                             "api_key": self.engine_api_key}, env=self._gpu_env(node))
                   for name, node in zip(names, placed)]
         trainer_node = nodes[cfg.placement.trainer]
         trainer_spawn = TrainerGroup.spawn(
@@ -731,6 +733,16 @@ class Controller:
             await asyncio.to_thread(_as_hf_folder, self.model_dir, manifest, self.run_dir / "sft_model")
         return 0, 0, sft_steps, accuracy
 
+    def _gpu_env(self, node: Node) -> dict[str, str] | None:
+        """CUDA_VISIBLE_DEVICES for the next engine on `node`: its GPUs in turn, after those of the
+        trainer ranks when they share the node (a rank uses GPU LOCAL_RANK). None without GPUs."""
+        if node.num_gpus <= 0:
+            return None
+        taken = self.config.trainer.world_size if node.rank == self.config.placement.trainer else 0
+        count = self._gpus_given.get(node.rank, 0)
+        self._gpus_given[node.rank] = count + 1
+        return {"CUDA_VISIBLE_DEVICES": str((taken + count) % node.num_gpus)}
+
     def add_node(self, node: Node) -> None:
         """A node joined the running job (a new one, or one back after it was lost): its engines are
         started, given the current weights, and put to work between two steps."""
@@ -751,7 +763,7 @@ class Controller:
                 ref = await node.spawner.spawn(EngineActor, name, args=(str(self.model_dir), self.engine_cfg),
                                                kwargs={"http_host": node.host, "http_port": 0,
                                                        "num_threads": self.config.rollout.engine_threads,
-                                                       "api_key": self.engine_api_key})
+                                                       "api_key": self.engine_api_key}, env=self._gpu_env(node))
                 state = await ref.ask(EngineStatus(), timeout_s=ASK_S)
                 if self.version > 0:  # the current weights first, through a pusher of its own
                     pusher = await self.system.spawn(WeightPusher, f"pusher-{name}", args=([name], self.sync_config))

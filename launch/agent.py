@@ -59,7 +59,7 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SpawnHere(Message):
-    """Start an actor in a new process on this node. `payload`: pickle of (cls, args, kwargs, restart)."""
+    """Start an actor in a new process on this node. `payload`: pickle of (cls, args, kwargs, restart, env)."""
 
     name: str
     payload: bytes
@@ -119,9 +119,9 @@ class NodeAgent(Actor):
 
     @handler
     async def spawn_here(self, msg: SpawnHere) -> ActorAddress:
-        cls, args, kwargs, restart = pickle.loads(msg.payload)  # the run's CURVE-authenticated peers only
+        cls, args, kwargs, restart, env = pickle.loads(msg.payload)  # the run's CURVE-authenticated peers only
         ref = await self.system.spawn(cls, msg.name, args=tuple(args), kwargs=dict(kwargs), process=True,
-                                      restart=restart)
+                                      restart=restart, env=env)
         self.children.append(msg.name)
         log.info("node %d: started %s", self.node_rank, msg.name)
         return ActorAddress(name=ref.name, address=ref.address, capacity=ref.capacity)
@@ -187,8 +187,8 @@ class RemoteSpawner:
         self.timeout_s = timeout_s
 
     async def spawn(self, cls: type, name: str, *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-                    restart: RestartPolicy | None = None) -> ActorRef:
-        payload = pickle.dumps((cls, tuple(args), dict(kwargs or {}), restart or RestartPolicy()))
+                    restart: RestartPolicy | None = None, env: dict[str, str] | None = None) -> ActorRef:
+        payload = pickle.dumps((cls, tuple(args), dict(kwargs or {}), restart or RestartPolicy(), env))
         address = await self.agent.ask(SpawnHere(name=name, payload=payload), timeout_s=self.timeout_s)
         return self.system.ref(address)
 

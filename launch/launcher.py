@@ -120,7 +120,8 @@ def serve_joins(system: Any, store: Any, rdzv: Any, secret: bytes, controller: A
     async def admit(info: Any) -> None:
         found = await wait_for_agents(system, [info], args.rdzv_timeout_s)
         agents[info.rank] = found[info.rank]  # the new launcher's agent replaces the lost one's
-        controller.add_node(Node(rank=info.rank, host=info.host, spawner=RemoteSpawner(system, found[info.rank])))
+        controller.add_node(Node(rank=info.rank, host=info.host, spawner=RemoteSpawner(system, found[info.rank]),
+                                 num_gpus=info.num_gpus))
 
     def serve() -> None:
         while not stop.is_set():
@@ -167,7 +168,7 @@ async def watch_nodes(system: Any, controller: Any, agents: dict[int, Any], rdzv
                             status.host)
                 await agent.ask(StopChildren(), timeout_s=60.0)
                 controller.add_node(Node(rank=rank, host=hosts.get(rank, status.host),
-                                         spawner=RemoteSpawner(system, agent)))
+                                         spawner=RemoteSpawner(system, agent), num_gpus=status.num_gpus))
 
 
 async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str, out: Path, secret: bytes) -> int:
@@ -179,10 +180,12 @@ async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str
     async with ActorSystem("controller", config=runtime, key_dir=rdzv.key_dir) as system:
         await asyncio.to_thread(store.set, "directory", system.address)
         agents = await wait_for_agents(system, [n for n in rdzv.nodes if n.rank != 0], args.rdzv_timeout_s)
-        nodes = {0: Node(rank=0, host=host, spawner=LocalSpawner(system, host))}
+        gpus = {info.rank: info.num_gpus for info in rdzv.nodes}
+        nodes = {0: Node(rank=0, host=host, spawner=LocalSpawner(system, host), num_gpus=gpus.get(0, 0))}
         for info in rdzv.nodes:
             if info.rank != 0:
-                nodes[info.rank] = Node(rank=info.rank, host=info.host, spawner=RemoteSpawner(system, agents[info.rank]))
+                nodes[info.rank] = Node(rank=info.rank, host=info.host, spawner=RemoteSpawner(system, agents[info.rank]),
+                                        num_gpus=info.num_gpus)
         # The engines' HTTP APIs listen on the nodes' addresses: only holders of the run's secret get in.
         api_key = hmac.new(secret, f"miles-async engine api {rdzv.run_id}".encode(), hashlib.sha256).hexdigest()
         controller = Controller(config, out, resume=args.resume, progress=not args.quiet, runtime=runtime,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -39,9 +40,12 @@ class ChildSpec:
     key_dir: str | None
     sys_path: list[str]
     log_level: int
+    env: dict[str, str] | None = None  # e.g. CUDA_VISIBLE_DEVICES: set before the actor exists
 
 
 def main(spec: ChildSpec) -> None:
+    # Before anything touches a device: CUDA reads CUDA_VISIBLE_DEVICES when it first initialises.
+    os.environ.update(spec.env or {})
     for entry in spec.sys_path:
         if entry not in sys.path:
             sys.path.append(entry)

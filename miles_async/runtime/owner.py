@@ -46,6 +46,7 @@ class Child:
         "args",
         "capacity",
         "cls",
+        "env",
         "exited",
         "kwargs",
         "name",
@@ -59,8 +60,9 @@ class Child:
     )
 
     def __init__(self, name: str, cls: type[Actor], args: tuple[Any, ...], kwargs: dict[str, Any], owner: str,
-                 policy: RestartPolicy, process: bool, capacity: int) -> None:
+                 policy: RestartPolicy, process: bool, capacity: int, env: dict[str, str] | None = None) -> None:
         self.name = name
+        self.env = dict(env or {})  # set in the child process before its actor is built
         self.cls = cls
         self.args = args
         self.kwargs = kwargs
@@ -173,7 +175,7 @@ class Supervisor:
             name=rec.name, cls=rec.cls, args=rec.args, kwargs=rec.kwargs, owner=rec.owner,
             owner_address=self.system.address, directory=self.system._directory_address or self.system.address, bind=bind,
             config=self.system.config, key_dir=self.system._key_dir, sys_path=list(sys.path),
-            log_level=logging.getLogger().getEffectiveLevel())
+            log_level=logging.getLogger().getEffectiveLevel(), env=rec.env)
         rec.ready = self.system.loop.create_future()
         rec.exited = self.system.loop.create_future()
         rec.reported = None

@@ -322,13 +322,15 @@ class ActorSystem:
         return self.ref(entry)
 
     async def spawn(self, cls: type[A], name: str, *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-                    process: bool = False, restart: RestartPolicy | None = None, owner: str | None = None) -> ActorRef:
+                    process: bool = False, restart: RestartPolicy | None = None, owner: str | None = None,
+                    env: dict[str, str] | None = None) -> ActorRef:
         """Start an actor named `name` (unique in the run), here or in a new child process.
 
         `process=True` starts a fresh Python process (spawned, not forked) that hosts it; `cls`,
         `args` and `kwargs` must then be picklable (the class importable by its module name).
         `owner` (an actor hosted here) makes the new actor its child; by default the system owns
-        it. Raises `SpawnError` when the constructor or `on_start` fails.
+        it. `env` (process only): environment variables set in the child before its actor is built
+        (e.g. CUDA_VISIBLE_DEVICES). Raises `SpawnError` when the constructor or `on_start` fails.
         """
         self._check_started()
         _check_name(name)
@@ -343,8 +345,10 @@ class ActorSystem:
         taken = await self.directory.ask(Lookup(name=name), timeout_s=self.config.spawn_timeout_s)
         if taken is not None and (old is None or taken.address != old.address):
             raise ValueError(f"an actor named {name!r} is already running at {taken.address}")
+        if env and not process:
+            raise ValueError("spawn(env=...) sets a child process's environment: it needs process=True")
         rec = Child(name, cls, tuple(args), dict(kwargs or {}), owner or SYSTEM_ACTOR,
-                     restart or RestartPolicy(), process, int(cls.mailbox_capacity))
+                    restart or RestartPolicy(), process, int(cls.mailbox_capacity), env)
         self.supervisor.children[name] = rec
         try:
             if process:

@@ -50,6 +50,11 @@ class Pid(Message):
     Reply: ClassVar[Any] = int
 
 
+class GetEnv(Message):
+    name: str
+    Reply: ClassVar[Any] = Any
+
+
 class Boom(Message):
     """Ask: the handler raises ValueError(text); tell: the actor crashes."""
 
@@ -152,6 +157,10 @@ class Counter(Actor):
     @handler
     def pid(self, msg: Pid) -> int:
         return os.getpid()
+
+    @handler
+    def getenv(self, msg: GetEnv) -> Any:
+        return os.environ.get(msg.name)
 
     @handler
     def boom(self, msg: Boom) -> None:

@@ -6,7 +6,7 @@ import asyncio
 import os
 
 import pytest
-from _actors import Add, Boom, Counter, CounterStats, FailsToStart, Get, Pid, Record, Stats
+from _actors import Add, Boom, Counter, CounterStats, FailsToStart, Get, GetEnv, Pid, Record, Stats
 from _support import TRANSPORTS, config, scenario, wait_pid_gone
 
 from miles_async.runtime import ActorSystem, RemoteError, SpawnError
@@ -77,6 +77,20 @@ def test_failed_on_start_in_a_child_process_reports_its_cause() -> None:
             assert "dist-test: on_start raise line" in cause.traceback
             ref = await system.spawn(Counter, "doomed", process=True)  # the name is free again
             assert await ref.ask(Get()) == 0
+
+    scenario(main, TIMEOUT_S)
+
+
+def test_a_child_process_gets_the_environment_it_was_spawned_with() -> None:
+    """What a multi-node run uses to give each engine its GPU (CUDA_VISIBLE_DEVICES)."""
+    async def main() -> None:
+        async with ActorSystem(config=config("ipc")) as system:
+            ref = await system.spawn(Counter, "c", process=True, env={"CUDA_VISIBLE_DEVICES": "3", "X_TEST": "y"})
+            assert await ref.ask(GetEnv(name="CUDA_VISIBLE_DEVICES")) == "3"
+            assert await ref.ask(GetEnv(name="X_TEST")) == "y"
+            assert os.environ.get("X_TEST") is None  # the parent's environment is untouched
+            with pytest.raises(ValueError, match="process=True"):
+                await system.spawn(Counter, "local", env={"X_TEST": "y"})
 
     scenario(main, TIMEOUT_S)
 

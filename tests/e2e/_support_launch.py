@@ -76,3 +76,22 @@ def first_versions(out: Path) -> dict[str, int]:
 def joined_at(err: str, engine: str) -> int:
     line = next(line for line in err.splitlines() if f"joined: {engine} serves from weight version" in line)
     return int(line.rsplit(" ", 1)[1])
+
+
+def wait_engine(out: Path, engine: str, timeout_s: float, procs: list[subprocess.Popen]) -> None:
+    """Until the run's trace holds a sample of `engine` (it joined and served)."""
+    deadline = time.monotonic() + timeout_s
+    needle = f'"engine":"{engine}"'
+    while time.monotonic() < deadline:
+        trace = out / "trace.jsonl"
+        if trace.exists() and needle in trace.read_text():
+            return
+        if procs[0].poll() is not None:
+            raise AssertionError(f"node 0 ended (status {procs[0].returncode}) before {engine} served")
+        time.sleep(0.2)
+    raise AssertionError(f"{engine} served no sample within {timeout_s:g}s")
+
+
+def stop_run(node0: subprocess.Popen) -> None:
+    """Ctrl-C on node 0: the run stops after its step, saves a checkpoint, and tells the nodes."""
+    os.kill(node0.pid, 2)

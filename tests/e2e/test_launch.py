@@ -24,6 +24,8 @@ from _support_launch import (
     free_port,
     joined_at,
     session_pids,
+    stop_run,
+    wait_engine,
     wait_steps,
 )
 from _support_run import SHORT
@@ -170,13 +172,15 @@ def test_a_trainer_rank_killed_stops_the_run_with_its_cause_and_resume_continues
 @pytest.mark.timeout(300)
 def test_a_node_added_to_a_running_job_serves_after_receiving_the_weights(tmp_path: Path) -> None:
     port, out = free_port(), tmp_path / "run"
-    args = [*SHORT, "loop.num_steps=250", "eval.mode=none", "placement.engines=[1]", "weights.transport=broadcast",
+    args = [*SHORT, "loop.num_steps=100000", "eval.mode=none", "placement.engines=[1]", "weights.transport=broadcast",
             "--heartbeat-timeout-s", "3"]
     procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args)]
     wait_steps(out, 10, 180, procs)
     procs.append(launcher(2, 3, port, out, *args))  # elastic: a third node, not in the first rendezvous
+    wait_engine(out, "engine-1", 180, procs)
+    stop_run(procs[0])
     (rc0, _, err0), (rc1, _, _), (rc2, _, err2) = finish(procs, 240)
-    assert rc0 == 0 and rc1 == 0 and rc2 == 0, err0[-2000:] + err2[-2000:]
+    assert rc0 == 130 and rc1 == 0 and rc2 == 0, err0[-2000:] + err2[-2000:]
     version = joined_at(err0, "engine-1")
     assert version > 0 and first_versions(out)["engine-1"] >= version  # the weights came before the work
     for p in procs:
@@ -187,15 +191,17 @@ def test_a_node_added_to_a_running_job_serves_after_receiving_the_weights(tmp_pa
 @pytest.mark.timeout(300)
 def test_a_lost_node_that_comes_back_rejoins_with_the_current_weights(tmp_path: Path) -> None:
     port, out = free_port(), tmp_path / "run"
-    args = [*SHORT, "loop.num_steps=300", "eval.mode=none", "rollout.num_engines=2", "placement.engines=[0,1]",
+    args = [*SHORT, "loop.num_steps=100000", "eval.mode=none", "rollout.num_engines=2", "placement.engines=[0,1]",
             "weights.transport=broadcast", "--heartbeat-timeout-s", "3"]
     procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args)]
     wait_steps(out, 10, 180, procs)
     os.killpg(procs[1].pid, 9)
     time.sleep(4.5)  # past the heartbeat timeout: node 0 has declared it lost
     back = launcher(1, 2, port, out, *args)
+    wait_engine(out, "engine-2", 180, [procs[0], back])
+    stop_run(procs[0])
     (rc0, _, err0), (rc_back, _, err_back) = finish([procs[0], back], 240)
-    assert rc0 == 0 and rc_back == 0, err0[-2000:] + err_back[-2000:]
+    assert rc0 == 130 and rc_back == 0, err0[-2000:] + err_back[-2000:]
     assert "engine engine-1 is gone" in err0
     version = joined_at(err0, "engine-2")
     assert first_versions(out)["engine-2"] >= version > 0
@@ -210,15 +216,17 @@ def test_an_engine_node_cut_off_and_back_rejoins_with_the_current_weights(tmp_pa
     heartbeat timeout: its engine is declared lost and the run goes on; when it thaws, its agent
     answers again, its stale engine is stopped and a fresh one gets the current weights first."""
     port, out = free_port(), tmp_path / "run"
-    args = [*SHORT, "loop.num_steps=400", "eval.mode=none", "rollout.num_engines=2", "placement.engines=[0,1]",
+    args = [*SHORT, "loop.num_steps=100000", "eval.mode=none", "rollout.num_engines=2", "placement.engines=[0,1]",
             "weights.transport=broadcast", "--heartbeat-timeout-s", "3"]
     procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args)]
     wait_steps(out, 10, 180, procs)
     os.killpg(procs[1].pid, 19)  # SIGSTOP
     time.sleep(6)
     os.killpg(procs[1].pid, 18)  # SIGCONT
+    wait_engine(out, "engine-2", 180, procs)
+    stop_run(procs[0])
     (rc0, _, err0), (rc1, _, err1) = finish(procs, 240)
-    assert rc0 == 0 and rc1 == 0, err0[-2000:] + err1[-2000:]
+    assert rc0 == 130 and rc1 == 0, err0[-2000:] + err1[-2000:]
     assert "engine engine-1 is gone" in err0 and "node 1 (127.0.0.2) is back" in err0
     version = joined_at(err0, "engine-2")
     assert first_versions(out)["engine-2"] >= version > 0

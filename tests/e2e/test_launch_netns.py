@@ -18,7 +18,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _support_launch import RECIPE, SECRET, finish, first_versions, joined_at, session_pids, wait_steps
+from _support_launch import (
+    RECIPE,
+    SECRET,
+    finish,
+    first_versions,
+    joined_at,
+    session_pids,
+    stop_run,
+    wait_engine,
+    wait_steps,
+)
 from _support_run import SHORT
 
 NODE0, NODE1 = "10.77.1.1", "10.77.1.2"
@@ -65,7 +75,7 @@ def launcher(rank: int, port: int, out: Path, namespace: tuple[str, str], *extra
                             env={**os.environ, "MILES_ASYNC_SECRET": SECRET})
 
 
-ARGS = [*SHORT, "loop.num_steps=400", "eval.mode=none", "rollout.num_engines=2", "placement.engines=[0,1]",
+ARGS = [*SHORT, "loop.num_steps=100000", "eval.mode=none", "rollout.num_engines=2", "placement.engines=[0,1]",
         "weights.transport=broadcast", "--heartbeat-timeout-s", "3"]
 
 
@@ -82,9 +92,11 @@ def test_node_1_in_its_own_namespace_survives_its_link_going_down(tmp_path: Path
     time.sleep(6)
     ip("link", "set", host_end, "up")
     ip("addr", "replace", f"{NODE0}/24", "dev", host_end)
+    wait_engine(out, "engine-2", 180, procs)
+    stop_run(procs[0])
     (rc0, out0, err0), (rc1, _, err1) = finish(procs, 240)
-    assert rc0 == 0 and rc1 == 0, err0[-3000:] + "\n--- node 1 ---\n" + err1[-2000:]
-    assert json.loads(out0.strip().splitlines()[-1])["num_steps"] == 400
+    assert rc0 == 130 and rc1 == 0, err0[-3000:] + "\n--- node 1 ---\n" + err1[-2000:]
+    assert json.loads(out0.strip().splitlines()[-1])["interrupted"]
     assert "engine engine-1 is gone" in err0 and "node 1 (10.77.1.2) is back" in err0
     version = joined_at(err0, "engine-2")
     assert first_versions(out)["engine-2"] >= version > 0

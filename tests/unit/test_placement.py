@@ -1,0 +1,43 @@
+"""`[placement]` of a multi-node run: which node runs each engine, and which GPU each engine gets."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles_async.actors.controller import Controller, Node
+from miles_async.actors.recipe import load_recipe
+
+
+def test_engines_cycle_over_their_nodes_and_node_0_is_always_in() -> None:
+    placement = load_recipe(None, ["placement.engines=[1,2]", "rollout.num_engines=5",
+                                   "weights.transport=broadcast"]).placement
+    assert [placement.engine_node(i) for i in range(5)] == [1, 2, 1, 2, 1]
+    assert placement.nodes == {0, 1, 2}
+    assert load_recipe(None).placement.engine_node(3) == 0  # one node: everything on 0
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["placement.engines=[1]", "weights.transport=shm"], "needs the engines on the controller's node"),
+    (["placement.engines=[-1]"], "placement node ranks must be >= 0"),
+    (["placement.trainer=-2"], "placement node ranks must be >= 0"),
+])
+def test_bad_placements_are_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_recipe(None, overrides)
+
+
+def test_a_placement_beyond_the_nodes_is_refused(tmp_path) -> None:
+    config = load_recipe(None, ["placement.engines=[3]", "weights.transport=broadcast"])
+    with pytest.raises(ValueError, match=r"node\(s\) \[3\] but the run's nodes are \[0, 1\]"):
+        Controller(config, tmp_path, nodes={0: Node(rank=0, host="a", spawner=None), 1: Node(rank=1, host="b",
+                                                                                                spawner=None)})
+
+
+def test_each_engine_gets_a_gpu_of_its_node_after_the_trainer_ranks(tmp_path) -> None:
+    config = load_recipe(None, ["trainer.world_size=2", "placement.engines=[0,1]", "weights.transport=broadcast"])
+    nodes = {0: Node(rank=0, host="a", spawner=None, num_gpus=4), 1: Node(rank=1, host="b", spawner=None, num_gpus=2),
+             2: Node(rank=2, host="c", spawner=None)}
+    controller = Controller(config, tmp_path, nodes=nodes)
+    assert [controller._gpu_env(nodes[0])["CUDA_VISIBLE_DEVICES"] for _ in range(3)] == ["2", "3", "0"]
+    assert [controller._gpu_env(nodes[1])["CUDA_VISIBLE_DEVICES"] for _ in range(3)] == ["0", "1", "0"]
+    assert controller._gpu_env(nodes[2]) is None  # a CPU node: nothing set
