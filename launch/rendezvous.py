@@ -704,15 +704,24 @@ def _take_keys(handle: StoreHandle, key: str, secret: bytes, ad: str, run_id: st
                       master_addr=handle.master_addr, master_port=handle.master_port)
 
 
-def _abort_message(raw: bytes, rank: int, secret: bytes, run_id: str, where: str) -> str:
+def _read_abort(raw: bytes, secret: bytes, ad: str) -> tuple[str | None, bool]:
+    """An abort or refusal from the store: (its reason, None when it does not parse; whether its tag
+    verifies with this node's secret, i.e. node 0 wrote it)."""
     try:
         abort = msgspec.json.decode(raw, type=_Abort)
     except msgspec.DecodeError:
+        return None, False
+    return abort.reason, hmac.compare_digest(abort.tag, _abort_tag(secret, ad, abort.reason))
+
+
+def _abort_message(raw: bytes, rank: int, secret: bytes, run_id: str, where: str) -> str:
+    reason, verified = _read_abort(raw, secret, run_id)
+    if reason is None:
         return (f"node {rank}: the run was aborted: the store at {where} holds an `abort` that does "
                 f"not parse (not node 0's: someone else who can reach the port wrote it)")
-    if hmac.compare_digest(abort.tag, _abort_tag(secret, run_id, abort.reason)):
-        return f"node {rank}: the run was aborted by node 0: {abort.reason}"
-    return (f"node {rank}: the run was aborted: {abort.reason} (this abort does not verify with this "
+    if verified:
+        return f"node {rank}: the run was aborted by node 0: {reason}"
+    return (f"node {rank}: the run was aborted: {reason} (this abort does not verify with this "
             f"node's secret: either it differs from node 0's, or someone else who can reach {where} "
             f"wrote it)")
 
@@ -753,14 +762,13 @@ def _join(handle: StoreHandle, info: NodeInfo, nnodes: int, secret: bytes, run_i
 
 
 def _refusal_message(raw: bytes, rank: int, secret: bytes, ad: str, where: str) -> str:
-    try:
-        abort = msgspec.json.decode(raw, type=_Abort)
-    except msgspec.DecodeError:
+    reason, verified = _read_abort(raw, secret, ad)
+    if reason is None:
         return (f"node {rank}'s join was refused: the store at {where} holds a refusal that does not "
                 f"parse (not node 0's: someone else who can reach the port wrote it)")
-    if hmac.compare_digest(abort.tag, _abort_tag(secret, ad, abort.reason)):
-        return f"node 0 refused node {rank}'s join: {abort.reason}"
-    return (f"node {rank}'s join was refused: {abort.reason} (this refusal does not verify with this "
+    if verified:
+        return f"node 0 refused node {rank}'s join: {reason}"
+    return (f"node {rank}'s join was refused: {reason} (this refusal does not verify with this "
             f"node's secret: either it differs from node 0's, or someone else who can reach {where} "
             f"wrote it)")
 
