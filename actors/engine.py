@@ -99,6 +99,15 @@ class BeginUpdate(Message):
     Reply: ClassVar[Any] = EngineState
 
 
+class ReceiveStream(Message):
+    """Fetch the update from the pusher's CURVE-authenticated stream at `address` (transport "stream")."""
+
+    address: str
+    layout_json: str
+    timeout_s: float = 300.0
+    Reply: ClassVar[Any] = EngineState
+
+
 class ReceiveBroadcast(Message):
     """Join the pusher's group (once; kept for later updates) and receive `layout` into the update."""
 
@@ -286,6 +295,16 @@ class EngineActor(Actor):
             self.group = None
             raise
         self.engine.weights.mark_written(spec.name for bucket in layout for spec in bucket)
+        return self.state()
+
+    @handler
+    async def receive_stream(self, msg: ReceiveStream) -> EngineState:
+        from miles_async.transport import stream
+
+        layout = layout_from_json(msg.layout_json)
+        names = await compute.run(stream.receive, msg.address, self.system.curve_keys, layout,
+                                  self.engine.weights.target(), msg.timeout_s)
+        self.engine.weights.mark_written(names)
         return self.state()
 
     @handler

@@ -20,6 +20,8 @@ One push, whatever the transport (`WeightSyncConfig.transport`):
        gets the whole version as one file there (`LoadWeightsFile`);
      - rdma: `BeginUpdate`, queue pairs exchanged by `ConnectRdma`, then one-sided writes into the
        engine's registered target (`[rdma]` extra; runs only where an RDMA device is);
+     - stream: `BeginUpdate`, then each engine fetches the version from this actor's ZeroMQ socket
+       (`ReceiveStream`), CURVE-authenticated with the run's key when the run has one (multi-node);
   5. commit: each engine verifies the per-tensor checksums it is sent (when verifying), then makes
      the version live (bump); 6. resume the engines.
 A failure midway aborts the update on every engine (a double-buffered engine keeps serving its
@@ -74,7 +76,7 @@ from miles_async.transport.verify import checksums, compare
 
 T = TypeVar("T")
 log = logging.getLogger("miles_async.actors.weights")
-TRANSPORTS = ("colocated", "broadcast", "shm", "disk_delta", "rdma")
+TRANSPORTS = ("colocated", "broadcast", "shm", "disk_delta", "rdma", "stream")
 VERIFY = ("never", "first", "always")
 Source = Callable[[], Mapping[str, torch.Tensor]]
 
@@ -318,9 +320,38 @@ class WeightPusher(Actor):
         elif transport == "rdma":
             for ref in self.refs:
                 await self._rdma_write(ref, buckets)
+        elif transport == "stream":
+            await self._stream(buckets)
         else:
             await self._broadcast(buckets)
         await self._ask_all(CommitUpdate(checksums=expected))
+
+    # ----- stream -----
+
+    async def _stream(self, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
+        """Every engine fetches the version from a CURVE-authenticated socket of this actor."""
+        from miles_async.actors.engine import ReceiveStream
+        from miles_async.transport.stream import StreamServer
+
+        cfg = self.config
+        server = StreamServer(cfg.host, self.system.curve_keys, buckets)
+        serving = asyncio.ensure_future(self._on_thread(server.serve, len(self.refs), cfg.timeout_s))
+        try:
+            layout_json = layout_to_json(layout_of(buckets))
+            results = await asyncio.gather(*(ref.ask(ReceiveStream(address=server.address, layout_json=layout_json,
+                                                                   timeout_s=cfg.timeout_s), timeout_s=cfg.timeout_s)
+                                             for ref in self.refs), return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:  # an engine declared lost is forgotten (see _broadcast); the push is then redone
+                lost = [ref.name for ref, r in zip(self.refs, results) if isinstance(r, ActorDeadError)]
+                keep = [i for i, ref in enumerate(self.refs) if ref.name not in lost]
+                self.engine_names = [self.engine_names[i] for i in keep]
+                self.refs = [self.refs[i] for i in keep]
+                raise errors[0]
+        finally:
+            server.stop()
+            await asyncio.gather(serving, return_exceptions=True)
+            server.close()
 
     # ----- broadcast -----
 

@@ -310,6 +310,12 @@ class ActorSystem:
         return ActorRef(self, entry)
 
     @property
+    def curve_keys(self) -> security.CurveKeys | None:
+        """The run's CURVE keypair when CURVE is on (tcp across hosts), else None: what other
+        channels of the run (a weight stream) use to admit only the run's processes."""
+        return self._keys
+
+    @property
     def directory(self) -> ActorRef:
         assert self._directory_address is not None, "start() the system first"
         return self.ref(ActorAddress(name=DIRECTORY_ACTOR, address=self._directory_address, capacity=1024))

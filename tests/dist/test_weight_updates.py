@@ -139,8 +139,8 @@ def test_every_transport_delivers_verified_versions_to_engines_in_other_processe
             assert [(await greedy(e))[0] for e in engines] == [expected[0]] * 2
             names = [e.name for e in engines]
             version = 0
-            for transport, index in (("shm", 1), ("broadcast", 2), ("broadcast", 3), ("disk_delta", 1),
-                                     ("disk_delta", 2)):
+            for transport, index in (("shm", 1), ("broadcast", 2), ("broadcast", 3), ("stream", 1), ("stream", 2),
+                                     ("disk_delta", 1), ("disk_delta", 2)):
                 cfg = WeightSyncConfig(family="qwen3", transport=transport, verify="always", bucket_mib=0.05,
                                        delta_dir=str(tmp_path / "deltas"), timeout_s=ASK_S)
                 pusher = await system.spawn(TestPusher, f"pusher-{transport}-{version}",

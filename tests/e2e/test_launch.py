@@ -56,9 +56,10 @@ def launcher(rank: int, nnodes: int, port: int, out: Path, *extra: str, env: dic
                             env={**os.environ, "MILES_ASYNC_SECRET": SECRET, **(env or {})})
 
 
-# eval on the shared engine: the controller scores through node 1's engine HTTP API, which wants the run's key
+# eval on the shared engine: the controller scores through node 1's engine HTTP API, which wants the run's key;
+# the weights travel by "stream", CURVE-authenticated with the run's key like every mailbox
 SHORT_TWO_NODES = [*SHORT, "loop.num_steps=3", "eval.mode=shared", "eval.every=3", "placement.engines=[1]",
-                   "weights.transport=broadcast"]
+                   "weights.transport=stream"]
 
 
 @pytest.mark.slow
