@@ -190,11 +190,8 @@ class WeightPusher(Actor):
                 raise error
         if dead:
             log.warning("engines %s are dead: pushing to the others", ", ".join(dead))
-            alive = [i for i, ref in enumerate(self.refs) if ref.name not in dead]
-            self.engine_names = [self.engine_names[i] for i in alive]
-            self.refs = [self.refs[i] for i in alive]
-            results = [results[i] for i in alive]
-            await self._close_group()  # a broadcast group with a dead member would hang: the next forms anew
+            results = [r for ref, r in zip(self.refs, results) if ref.name not in dead]
+            await self._forget(dead)
             if not self.refs:
                 raise ActorDeadError(dead[0], Failure(type="NoEngineLeft", message="every engine is dead"))
         return list(results)
@@ -210,10 +207,17 @@ class WeightPusher(Actor):
     @handler
     async def forget_engine(self, msg: ForgetEngine) -> None:
         """Stop pushing to an engine that died (the controller saw it go)."""
-        keep = [i for i, name in enumerate(self.engine_names) if name != msg.name]
+        await self._forget([msg.name])
+
+    async def _forget(self, names: list[str]) -> None:
+        """Push no more to these engines. The broadcast group is closed: one with a gone member would
+        hang, and the next push forms a new one with the rest."""
+        if not names:
+            return
+        keep = [i for i, name in enumerate(self.engine_names) if name not in names]
         self.engine_names = [self.engine_names[i] for i in keep]
         self.refs = [self.refs[i] for i in keep]
-        await self._close_group()  # a broadcast group with a dead member cannot be used again
+        await self._close_group()
 
     # ----- one push -----
 
@@ -247,7 +251,6 @@ class WeightPusher(Actor):
             dead = [name for name in before if name not in self.engine_names]
             if not dead or not self.refs:
                 raise
-            await self._close_group()
             log.warning("engines %s died during the push of version %d: pushing again to %s", ", ".join(dead),
                         msg.version, ", ".join(self.engine_names))
             await self._attempt(msg.version, converted, cast, expected)
@@ -282,11 +285,7 @@ class WeightPusher(Actor):
         results = await asyncio.gather(*(ref.ask(EngineStatus(), timeout_s=wait_s) for ref in self.refs),
                                        return_exceptions=True)
         dead = [ref.name for ref, r in zip(self.refs, results) if isinstance(r, (ActorDeadError, AskTimeoutError))]
-        if dead:
-            keep = [i for i, ref in enumerate(self.refs) if ref.name not in dead]
-            self.engine_names = [self.engine_names[i] for i in keep]
-            self.refs = [self.refs[i] for i in keep]
-            await self._close_group()
+        await self._forget(dead)
         return dead
 
     def _load(self, manifest: WeightManifest | None) -> dict[str, torch.Tensor]:
@@ -343,10 +342,7 @@ class WeightPusher(Actor):
                                              for ref in self.refs), return_exceptions=True)
             errors = [r for r in results if isinstance(r, BaseException)]
             if errors:  # an engine declared lost is forgotten (see _broadcast); the push is then redone
-                lost = [ref.name for ref, r in zip(self.refs, results) if isinstance(r, ActorDeadError)]
-                keep = [i for i, ref in enumerate(self.refs) if ref.name not in lost]
-                self.engine_names = [self.engine_names[i] for i in keep]
-                self.refs = [self.refs[i] for i in keep]
+                await self._forget([ref.name for ref, r in zip(self.refs, results) if isinstance(r, ActorDeadError)])
                 raise errors[0]
         finally:
             server.stop()
@@ -384,10 +380,7 @@ class WeightPusher(Actor):
             # An engine declared lost while the broadcast ran (its node went silent past the
             # heartbeat timeout) is forgotten even if it answers again later: the controller has
             # forgotten it too, and a node that comes back is admitted afresh.
-            lost = [ref.name for ref, r in zip(self.refs, results) if isinstance(r, ActorDeadError)]
-            keep = [i for i, ref in enumerate(self.refs) if ref.name not in lost]
-            self.engine_names = [self.engine_names[i] for i in keep]
-            self.refs = [self.refs[i] for i in keep]
+            await self._forget([ref.name for ref, r in zip(self.refs, results) if isinstance(r, ActorDeadError)])
             raise errors[0]
 
     async def _close_group(self) -> None:

@@ -21,24 +21,13 @@ from typing import Any
 import torch
 import zmq
 
+from miles_async.runtime import security
 from miles_async.transport.broadcast import Layout
 from miles_async.transport.errors import TransportError
 
 __all__ = ["StreamServer", "receive"]
 
 READY = b"ready"
-
-
-def _curve_server(sock: zmq.Socket, keys: Any) -> None:
-    sock.curve_secretkey = keys.secret
-    sock.curve_publickey = keys.public
-    sock.curve_server = True
-
-
-def _curve_client(sock: zmq.Socket, keys: Any) -> None:
-    sock.curve_secretkey = keys.secret
-    sock.curve_publickey = keys.public
-    sock.curve_serverkey = keys.public  # the run's own key: a server without it cannot answer
 
 
 class StreamServer:
@@ -51,7 +40,7 @@ class StreamServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if keys is not None:
-            _curve_server(self._sock, keys)
+            security.make_server(self._sock, keys)
         self._sock.bind(f"tcp://{host}:*")
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stopped = False
@@ -88,7 +77,7 @@ def receive(address: str, keys: Any, layout: Layout, target: dict[str, torch.Ten
     sock.setsockopt(zmq.LINGER, 0)
     try:
         if keys is not None:
-            _curve_client(sock, keys)
+            security.make_client(sock, keys)  # pins the run's own key as the server's
         sock.connect(address)
         sock.send(READY)
         if not sock.poll(int(timeout_s * 1000)):
