@@ -251,13 +251,17 @@ class Supervisor:
         proc = rec.process
         if proc is None or proc is NOT_STARTED or rec.exited is None:
             return
+        asked = False
         if not rec.exited.done() and rec.address:
             host = self.system.ref(ActorAddress(name=SYSTEM_ACTOR, address=rec.address, capacity=1024))
             try:
                 host.tell_nowait(ShutdownSystem())
+                asked = True
             except ActorError as exc:  # already gone or unreachable: escalate to signals below
                 log.debug("could not ask %r to shut down: %s", rec.name, exc)
-        for sig_fn, wait_s in ((None, self.system.config.stop_grace_s + 2.0), (proc.terminate, 3.0), (proc.kill, 3.0)):
+        # a process still starting (no address yet) has nothing to stop cleanly: signalled at once
+        steps = ((None, self.system.config.stop_grace_s + 2.0),) if asked else ()
+        for sig_fn, wait_s in (*steps, (proc.terminate, 3.0), (proc.kill, 3.0)):
             if rec.exited.done():
                 break
             if sig_fn is not None:

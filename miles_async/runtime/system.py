@@ -627,7 +627,10 @@ class ActorSystem:
     def _link_to(self, address: str) -> Link:
         link = self._links.get(address)
         if link is None:
-            self._check_started()
+            # while closing, links are still made: stopping a child process that was never
+            # messaged (a spawn in flight when the system closed) needs one to its host
+            if not self._started or (self._closed is not None and self._closed.is_set()):
+                raise RuntimeError(f"actor system {self.name!r} is not running (use `async with ActorSystem()`)")
             link = Link(address, self._connect(address), self.loop.time())
             self._links[address] = link
             self.loop.add_reader(link.sock.getsockopt(zmq.FD), self._drain_link, link)

@@ -265,6 +265,31 @@ def test_killing_a_middle_process_orphans_nothing() -> None:
     scenario(main, TIMEOUT_S)
 
 
+@pytest.mark.parametrize("ready", [False, True])
+def test_closing_with_a_process_spawn_in_flight_or_never_messaged_stops_it(ready: bool) -> None:
+    """The system closes (an error elsewhere) while a child is still starting, or has just started
+    and was never messaged: close stops it (at once when it never became ready) and raises nothing."""
+    pids: list[int] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        with pytest.raises(ValueError, match="elsewhere"):
+            async with ActorSystem(config=config("ipc")) as system:
+                spawn = asyncio.ensure_future(system.spawn(Counter, "late", process=True))
+                if ready:
+                    await spawn
+                else:
+                    await asyncio.sleep(0.05)
+                    spawn.add_done_callback(lambda f: f.exception())  # it fails: stopped while starting
+                pids.append(system.supervisor.children["late"].process.pid)
+                started = loop.time()
+                raise ValueError("a failure elsewhere")
+        assert loop.time() - started < (5.0 if ready else 2.0)
+        await wait_pid_gone(pids[0], 5.0)
+
+    scenario(main, TIMEOUT_S)
+
+
 async def wait_unknown(system: ActorSystem, name: str, timeout_s: float) -> None:
     """Poll the directory until `name` is gone from it."""
     loop = asyncio.get_running_loop()
