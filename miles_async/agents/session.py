@@ -404,6 +404,7 @@ class EngineSlot:
     num_requests: int = 0
     num_sessions: int = 0
     is_moe: bool | None = None  # asked once (model info): MoE engines send routed experts for R3
+    alive: bool = True  # False once removed (its engine lost): no session is routed to it any more
 
 
 @dataclass(slots=True)
@@ -440,14 +441,31 @@ class SessionServer(AppServer):
             tokenizer, self.model = load_tokenizer(model_dir_or_tokenizer), Path(model_dir_or_tokenizer).name
         self.tito = TitoTokenizer(tokenizer)
         self.tokenizer = tokenizer
-        self.engines = [EngineSlot(url, EngineClient(url, timeout_s=engine_timeout_s, api_key=engine_api_key))
-                        for url in engine_urls]
+        self.engine_timeout_s, self.engine_api_key = engine_timeout_s, engine_api_key
+        self.engines = [self._slot(url) for url in engine_urls]
         super().__init__(host, port)
         self.max_sessions = max_sessions
         self.sessions: dict[str, Session] = {}
         self._num_closed_turns = 0
 
+    def _slot(self, url: str) -> EngineSlot:
+        return EngineSlot(url, EngineClient(url, timeout_s=self.engine_timeout_s, api_key=self.engine_api_key))
+
     # ----- Python API -----
+
+    def add_engine(self, url: str) -> None:
+        """Route new sessions to one more engine too (an engine that joined the running job)."""
+        self.engines.append(self._slot(url))
+
+    async def remove_engine(self, url: str) -> None:
+        """Stop routing to the engine at `url` (it is lost): new sessions go to the others, and a
+        session that was on it moves to another one at its next turn (the whole prompt is sent every
+        turn, so only that engine's prefix cache is lost). A turn in flight on it fails as it would."""
+        for slot in self.engines:
+            if slot.url == url and slot.alive:
+                slot.alive = False
+                await slot.client.close()
+
 
     def samples(self, session_id: str) -> list[SessionSample]:
         """One sample per leaf of the session's tree, oldest first; KeyError for an unknown session."""
@@ -477,7 +495,7 @@ class SessionServer(AppServer):
             "cached_tokens": cached_tokens,
             "prefix_cache_hit_rate": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
             "engines": [{"url": e.url, "num_in_flight": e.num_in_flight, "num_requests": e.num_requests,
-                         "num_sessions": e.num_sessions} for e in self.engines],
+                         "num_sessions": e.num_sessions, "alive": e.alive} for e in self.engines],
         }
 
     # ----- one turn -----
@@ -488,11 +506,21 @@ class SessionServer(AppServer):
             if len(self.sessions) >= self.max_sessions:
                 raise RequestError(f"{self.max_sessions} sessions are open: close finished ones "
                                    "(DELETE /sessions/{id}) before starting more", status=503, kind="server_error")
-            index = min(range(len(self.engines)),
-                        key=lambda i: (self.engines[i].num_in_flight, self.engines[i].num_sessions, i))
-            session = self.sessions[session_id] = Session(session_id, index)
-            self.engines[index].num_sessions += 1
+            session = self.sessions[session_id] = Session(session_id, self._pick_engine())
+            self.engines[session.engine_index].num_sessions += 1
+        elif not self.engines[session.engine_index].alive:  # its engine is lost: on to another one
+            self.engines[session.engine_index].num_sessions -= 1
+            session.engine_index = self._pick_engine()
+            self.engines[session.engine_index].num_sessions += 1
         return session
+
+    def _pick_engine(self) -> int:
+        """The live engine with the fewest requests in flight, then the fewest sessions."""
+        live = [i for i, e in enumerate(self.engines) if e.alive]
+        if not live:
+            raise RequestError("no engine is left to serve sessions (every one was lost)", status=503,
+                               kind="server_error")
+        return min(live, key=lambda i: (self.engines[i].num_in_flight, self.engines[i].num_sessions, i))
 
     async def _generate(self, engine: EngineSlot, input_ids: list[int], params: dict[str, Any],
                         on_text: Any = None) -> Turn:

@@ -266,6 +266,34 @@ def test_two_engines_keep_each_session_on_its_engine(model_dir):
     assert all(s["cached_tokens"] > 0 for s in sessions.values())  # later turns hit the prefix cache
 
 
+def test_a_lost_engine_gets_no_more_sessions_and_its_sessions_move_on(model_dir):
+    """The controller removes an engine it lost and adds one that joined: the sessions follow."""
+    async def scenario():
+        async with served(model_dir, num_engines=2) as (server, urls):
+            history = {sid: [SYSTEM, {"role": "user", "content": "Tell me a story."}] for sid in ("a", "b")}
+            first = await asyncio.gather(*(client_for(server, sid).chat.completions.create(
+                model="tiny", messages=history[sid], **GREEDY) for sid in ("a", "b")))
+            on_lost = next(sid for sid in ("a", "b") if server.sessions[sid].engine_index == 0)
+            await server.remove_engine(urls[0])
+            history[on_lost] += [reply_message(first[0 if on_lost == "a" else 1]), {"role": "user", "content": "More."}]
+            await client_for(server, on_lost).chat.completions.create(model="tiny", messages=history[on_lost], **GREEDY)
+            moved = server.sessions[on_lost].engine_index
+            await client_for(server, "c").chat.completions.create(model="tiny", messages=history["a"][:2], **GREEDY)
+            new = server.sessions["c"].engine_index
+            await server.remove_engine(urls[1])
+            with pytest.raises(openai.InternalServerError, match="no engine is left"):
+                await client_for(server, "d").chat.completions.create(model="tiny", messages=history["a"][:2],
+                                                                      **GREEDY)
+            server.add_engine(urls[1])  # the same engine back, as a new slot: it serves again
+            await client_for(server, "e").chat.completions.create(model="tiny", messages=history["a"][:2], **GREEDY)
+            return moved, new, server.sessions["e"].engine_index, server.stats()["engines"]
+
+    moved, new, back, engines = run(scenario())
+    assert moved == 1 and new == 1 and back == 2
+    assert [e["alive"] for e in engines] == [False, False, True]
+    assert engines[0]["num_sessions"] == 0  # the moved session left it
+
+
 # ----- TitoTokenizer with chosen sampled ids -----
 
 
