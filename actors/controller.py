@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import shlex
 import shutil
 import signal
@@ -56,10 +57,18 @@ from miles_async.actors.scheduler import (
     AddEngine,
     GetSchedulerState,
     RefillScheduler,
+    SampleSeen,
     TrainerStepped,
     WeightVersionChanged,
 )
-from miles_async.actors.trainer import ExportWeights, LoadCheckpoint, SaveCheckpoint, TrainerGroup, TrainStep
+from miles_async.actors.trainer import (
+    ExportWeights,
+    LoadCheckpoint,
+    RankPlacement,
+    SaveCheckpoint,
+    TrainerGroup,
+    TrainStep,
+)
 from miles_async.actors.weights import PushWeights, WeightPusher, WeightSyncConfig
 from miles_async.agents.session import SessionServer
 from miles_async.engine.client import EngineClient
@@ -76,7 +85,7 @@ from miles_async.observe import (
     UpdateTrace,
 )
 from miles_async.policies.refill import RefillConfig
-from miles_async.runtime import ActorRef, ActorSystem, RestartPolicy, RuntimeConfig
+from miles_async.runtime import Actor, ActorRef, ActorSystem, RestartPolicy, RuntimeConfig, handler
 from miles_async.tasks import calculator
 from miles_async.tasks.reverse import Prompt, is_correct, prompts, sft_examples
 from miles_async.trainer import checkpoint
@@ -86,6 +95,7 @@ from miles_async.trainer.packing import TrainSample
 
 log = logging.getLogger("miles_async.actors.controller")
 ASK_S = 600.0
+SHARED_FILE = ".run-token"  # in the run folder: what trainer ranks on other nodes must see
 WAIT_REPORT_S = 30.0  # a step waiting this long for data says what the buffer holds and dropped
 
 
@@ -130,6 +140,10 @@ class Spawner(Protocol):
 
     async def free_port(self) -> int: ...
 
+    async def ensure_folder(self, folder: str | Path) -> int:
+        """Make the node hold `folder` (the model's) as the controller's node does; the bytes sent."""
+        ...
+
 
 class LocalSpawner:
     """`Spawner` for the controller's own node."""
@@ -144,6 +158,9 @@ class LocalSpawner:
 
     async def free_port(self) -> int:
         return free_port(self.host)
+
+    async def ensure_folder(self, folder: str | Path) -> int:
+        return 0  # this node's own files
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +190,19 @@ class _Launched:
 def _payload(record: Any) -> SampleOut:
     payload = record.payload
     return payload if isinstance(payload, SampleOut) else msgspec.convert(payload, SampleOut)
+
+
+class SampleRecorder(Actor):
+    """In the controller's process: hands each `SampleSeen` of a scheduler on another node to the
+    controller's trace (`on_sample`, as an in-process scheduler calls it)."""
+
+    def __init__(self, on_sample: Any) -> None:
+        self.on_sample = on_sample
+
+    @handler
+    def seen(self, msg: SampleSeen) -> None:
+        sample = msg.sample if isinstance(msg.sample, SampleOut) else msgspec.convert(msg.sample, SampleOut)
+        self.on_sample(sample, msg.counted)
 
 
 class Controller:
@@ -219,6 +249,8 @@ class Controller:
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(dump_recipe(cfg), indent=2))
+        self.shared_token = secrets.token_hex(16)  # trainer ranks check they see the run folder (other nodes)
+        (self.run_dir / SHARED_FILE).write_text(self.shared_token)
         if cfg.model.path:
             self.model_dir = Path(cfg.model.path)
         else:
@@ -253,8 +285,20 @@ class Controller:
             model_dir=str(self.model_dir), world_size=t.world_size, lr=t.lr, grad_clip=t.grad_clip,
             micro_batch_tokens=t.micro_batch_tokens, num_threads=t.num_threads, seed=self.config.loop.seed,
             checkpoint_dir=str(self.run_dir / "checkpoints"), weights_dir=str(self.run_dir / "weights"),
+            shared_file=str(self.run_dir / SHARED_FILE), shared_token=self.shared_token,
             policy_loss=t.policy_loss, advantage=t.advantage, old_logprobs=t.old_logprobs,
             temperature=s.temperature if s.temperature > 0 else 1.0)
+
+    def _trainer_placement(self) -> list[RankPlacement]:
+        """Each trainer rank's node (spawner, LOCAL_RANK there, address): `placement.trainer`."""
+        assert self.nodes is not None
+        ranks, per_node = [], {}
+        for node_rank in self.config.placement.trainer_nodes(self.config.trainer.world_size):
+            node = self.nodes[node_rank]
+            ranks.append(RankPlacement(spawner=node.spawner, local_rank=per_node.get(node_rank, 0),
+                                       host=node.host if len(self.nodes) > 1 else ""))
+            per_node[node_rank] = per_node.get(node_rank, 0) + 1
+        return ranks
 
     async def _spawn(self, system: ActorSystem) -> None:
         cfg = self.config
@@ -270,17 +314,17 @@ class Controller:
             placed.append(nodes[0])
         self.num_engines_started = r.num_engines
         self.engine_cfg = engine_cfg
+        await asyncio.gather(*(self._give_model(node) for node in {n.rank: n for n in placed}.values()))
         spawns = [node.spawner.spawn(EngineActor, name, args=(str(self.model_dir), engine_cfg),
                                      kwargs={"http_host": node.host, "http_port": 0, "num_threads": r.engine_threads,
                                              "api_key": self.engine_api_key}, env=self._gpu_env(node))
                   for name, node in zip(names, placed)]
-        trainer_node = nodes[cfg.placement.trainer]
-        trainer_spawn = TrainerGroup.spawn(
-            system, self._trainer_config(), cfg.trainer.world_size, master_addr=trainer_node.host,
-            master_port=await trainer_node.spawner.free_port(),
-            spawner=None if trainer_node.rank == 0 and isinstance(trainer_node.spawner, LocalSpawner)
-            else trainer_node.spawner)
-        *engines, self.trainer = await asyncio.gather(*spawns, trainer_spawn)
+        ranks = self._trainer_placement()
+        master = nodes[cfg.placement.trainer_nodes(cfg.trainer.world_size)[0]]
+        trainer_spawn = TrainerGroup.spawn(system, self._trainer_config(), cfg.trainer.world_size,
+                                           master_addr=master.host, master_port=await master.spawner.free_port(),
+                                           placement=ranks)
+        *engines, self.trainer = await _all_or_none(*spawns, trainer_spawn)
         if cfg.eval.mode == "dedicated":
             self.eval_engine = engines.pop()
         self.engines = engines
@@ -312,16 +356,30 @@ class Controller:
         refill = RefillConfig(target_in_flight=r.target_in_flight, group_size=r.group_size,
                               batch_groups=loop.batch_groups, max_staleness=loop.staleness,
                               max_in_flight_per_engine=r.max_in_flight_per_engine, refill=r.refill)
-        self.scheduler = await system.spawn(
-            RefillScheduler, "scheduler", args=(refill, self.dataset, r.sampling),
-            kwargs={"workers": workers, "buffer": "buffer", "seed": loop.seed if r.seeded else None, "trainer_version": self.version,
-                    "first_prompt": first_prompt, "on_sample": self._trace_sample,
-                    "routed_experts": self.is_moe})
-        self.buffer = await system.spawn(Buffer, "buffer", args=(buffer_cfg, "scheduler"))
+        kwargs: dict[str, Any] = {"workers": workers, "buffer": "buffer", "seed": loop.seed if r.seeded else None,
+                                  "trainer_version": self.version, "first_prompt": first_prompt,
+                                  "routed_experts": self.is_moe}
+        self.scheduler = await self._place(system, cfg.placement.scheduler, RefillScheduler, "scheduler",
+                                           (refill, self.dataset, r.sampling), kwargs)
+        self.buffer = await self._place(system, cfg.placement.buffer, Buffer, "buffer", (buffer_cfg, "scheduler"), {})
         for ref in self.engines:
             actor = ref.name if r.client == "actor" else ""
             await self.scheduler.tell(AddEngine(name=ref.name, url=self.engine_urls[ref.name], version=self.version,
                                                 actor=actor))
+
+    async def _place(self, system: ActorSystem, node_rank: int, cls: type, name: str, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> ActorRef:
+        """The scheduler or buffer: in this process on node 0, a process of its own on another node
+        (the scheduler then reports each finished sample to a recorder actor here)."""
+        assert self.nodes is not None
+        remote = node_rank != 0
+        if cls is RefillScheduler:
+            if remote:
+                await system.spawn(SampleRecorder, "sample-recorder", args=(self._trace_sample,))
+            kwargs = kwargs | ({"sample_sink": "sample-recorder"} if remote else {"on_sample": self._trace_sample})
+        if not remote:
+            return await system.spawn(cls, name, args=args, kwargs=kwargs)
+        return await self.nodes[node_rank].spawner.spawn(cls, name, args=args, kwargs=kwargs)
 
     def _trace_sample(self, sample: SampleOut, counted: bool) -> None:
         if counted and not sample.aborted:
@@ -733,12 +791,19 @@ class Controller:
             await asyncio.to_thread(_as_hf_folder, self.model_dir, manifest, self.run_dir / "sft_model")
         return 0, 0, sft_steps, accuracy
 
+    async def _give_model(self, node: Node) -> None:
+        """The model folder on `node` before its engines load it (sent if that node lacks it)."""
+        sent = await node.spawner.ensure_folder(self.model_dir)
+        if sent:
+            log.info("node %d did not hold the model folder %s: sent %.1f MiB", node.rank, self.model_dir, sent / 2**20)
+
     def _gpu_env(self, node: Node) -> dict[str, str] | None:
         """CUDA_VISIBLE_DEVICES for the next engine on `node`: its GPUs in turn, after those of the
         trainer ranks when they share the node (a rank uses GPU LOCAL_RANK). None without GPUs."""
         if node.num_gpus <= 0:
             return None
-        taken = self.config.trainer.world_size if node.rank == self.config.placement.trainer else 0
+        cfg = self.config
+        taken = cfg.placement.trainer_nodes(cfg.trainer.world_size).count(node.rank)
         count = self._gpus_given.get(node.rank, 0)
         self._gpus_given[node.rank] = count + 1
         return {"CUDA_VISIBLE_DEVICES": str((taken + count) % node.num_gpus)}
@@ -757,6 +822,7 @@ class Controller:
         while not self.joins.empty():
             node = self.joins.get_nowait()
             count = max(1, sum(1 for n in self.config.placement.engines if n == node.rank))
+            await self._give_model(node)
             for _ in range(count):
                 name = f"engine-{self.num_engines_started}"
                 self.num_engines_started += 1
@@ -776,6 +842,8 @@ class Controller:
                 self.engine_urls[name] = state.url
                 actor = name if self.config.rollout.client == "actor" else ""
                 await self.scheduler.tell(AddEngine(name=name, url=state.url, version=self.version, actor=actor))
+                if self.sessions is not None:  # agents' sessions are routed by the session server
+                    self.sessions.add_engine(state.url)
                 log.warning("node %d joined: %s serves from weight version %d", node.rank, name, self.version)
 
     async def _watch_engines(self, interval_s: float = 0.5) -> None:
@@ -795,6 +863,8 @@ class Controller:
                     self.engines.remove(ref)
                     await self.scheduler.tell(EngineLost(name=ref.name))
                     await self.pusher.ask(ForgetEngine(name=ref.name), timeout_s=ASK_S)
+                    if self.sessions is not None:
+                        await self.sessions.remove_engine(self.engine_urls[ref.name])
                     if not self.engines:
                         log.error("no engine left: stopping the run")
                         self.stop.set()
@@ -814,6 +884,24 @@ class Controller:
         print("\nmiles-async: stopping after this step (a checkpoint is saved); Ctrl-C again to quit now",
               file=sys.stderr)
         self.stop.set()
+
+
+async def _all_or_none(*aws: Any) -> list[Any]:
+    """`asyncio.gather`, except that the first failure cancels the rest (a run whose trainer cannot
+    start does not wait for its engines to load) and is raised."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            for other in tasks:  # retrieved: no "exception never retrieved" noise from the others
+                if other is not task and not other.cancelled():
+                    other.exception()
+            raise task.exception()
+    return [task.result() for task in tasks]
 
 
 def _as_hf_folder(model_dir: Path, manifest: Any, folder: Path) -> None:

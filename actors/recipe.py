@@ -134,23 +134,43 @@ class PlacementSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     """Which node runs what, in a multi-node run (`miles-async launch`; `run` is one node: all 0).
 
     engines: the node rank of each engine, in order (cycled when shorter than rollout.num_engines;
-        [] puts every engine on the controller's node, 0). trainer: the node of all trainer ranks.
-    The controller, scheduler, buffer, weight pusher and session server run on node 0.
+        [] puts every engine on the controller's node, 0).
+    trainer: the node of every trainer rank (one number), or of each rank in order (a list of
+        trainer.world_size numbers: ranks spanning nodes). Trainer ranks off node 0 write
+        checkpoints and weight exports that node 0 reads: the run folder must be on a filesystem
+        those nodes share (checked when the ranks start).
+    scheduler, buffer: the node of the refill scheduler and of the buffer (each a process of its own
+        off node 0; on node 0 they live in the controller's process).
+    The controller, rollout workers, weight pusher and session server run on node 0.
     """
 
     engines: list[int] = []
-    trainer: int = 0
+    trainer: int | list[int] = 0
+    scheduler: int = 0
+    buffer: int = 0
 
     def __post_init__(self) -> None:
-        if any(n < 0 for n in self.engines) or self.trainer < 0:
-            raise ValueError(f"placement node ranks must be >= 0, got engines={self.engines} trainer={self.trainer}")
+        trainer = self.trainer if isinstance(self.trainer, list) else [self.trainer]
+        if (any(n < 0 for n in (*self.engines, *trainer, self.scheduler, self.buffer)) or not trainer):
+            raise ValueError(f"placement node ranks must be >= 0, got engines={self.engines} trainer={self.trainer} "
+                             f"scheduler={self.scheduler} buffer={self.buffer}")
 
     def engine_node(self, index: int) -> int:
         return self.engines[index % len(self.engines)] if self.engines else 0
 
+    def trainer_nodes(self, world_size: int) -> list[int]:
+        """The node of each trainer rank."""
+        if isinstance(self.trainer, int):
+            return [self.trainer] * world_size
+        if len(self.trainer) != world_size:
+            raise ValueError(f"placement.trainer lists {len(self.trainer)} node(s) but trainer.world_size is "
+                             f"{world_size}: give one node per rank, or one number for all")
+        return list(self.trainer)
+
     @property
     def nodes(self) -> set[int]:
-        return {0, self.trainer, *self.engines}
+        trainer = self.trainer if isinstance(self.trainer, list) else [self.trainer]
+        return {0, *trainer, *self.engines, self.scheduler, self.buffer}
 
 
 class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -183,8 +203,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         remote_engines = any(n != 0 for n in self.placement.engines)
         if remote_engines and self.weights.transport in ("shm", "colocated"):
             raise ValueError(f"weights.transport = {self.weights.transport!r} needs the engines on the controller's node; "
-                             "with placement.engines on other nodes use \"broadcast\" or \"disk_delta\" (a shared "
-                             "filesystem)")
+                             "with placement.engines on other nodes use \"stream\" (authenticated), \"broadcast\" or "
+                             "\"disk_delta\" (a shared filesystem)")
+        self.placement.trainer_nodes(self.trainer.world_size)  # one node per rank, when listed
         if self.eval.mode == "command" and not self.eval.command:
             raise ValueError('eval.mode = "command" needs eval.command (with {checkpoint} where the folder goes)')
 

@@ -90,15 +90,25 @@ def sample_seed(run_seed: int, prompt_index: int, index: int, attempt: int) -> i
     return zlib.crc32(f"{run_seed}:{prompt_index}:{index}:{attempt}".encode())
 
 
+class SampleSeen(Message):
+    """To the scheduler's `sample_sink`: a finished sample, and whether it counted (False: a late
+    reply from an engine declared lost, traced only)."""
+
+    sample: SampleOut
+    counted: bool
+
+
 class RefillScheduler(Actor):
-    """See the module docstring. `dataset[i]` is prompt position i; `on_sample` sees every finished sample."""
+    """See the module docstring. `dataset[i]` is prompt position i; `on_sample` (a callable, in the
+    controller's process) or `sample_sink` (an actor's name, from another process or node) sees
+    every finished sample."""
 
     mailbox_capacity: ClassVar[int] = 4096
 
     def __init__(self, config: RefillConfig, dataset: list[Any], sampling: SamplingConfig, *,
                  workers: list[str], buffer: str, seed: int | None = None, trainer_version: int = 0, first_prompt: int = 0,
                  on_sample: Callable[[SampleOut, bool], None] | None = None, clock: Clock | None = None,
-                 timeout_s: float = 3600.0, routed_experts: bool = False) -> None:
+                 timeout_s: float = 3600.0, routed_experts: bool = False, sample_sink: str = "") -> None:
         if not dataset:
             raise ValueError("the scheduler needs a non-empty dataset of prompts")
         if not workers:
@@ -110,6 +120,8 @@ class RefillScheduler(Actor):
         self.buffer_name = buffer
         self.seed = seed
         self.on_sample = on_sample
+        self.sample_sink = sample_sink
+        self.sink: ActorRef | None = None
         self.timeout_s = timeout_s
         self.routed_experts = routed_experts  # MoE: every rollout records its routed experts (R3)
         self.clock = clock or RealClock()
@@ -129,6 +141,8 @@ class RefillScheduler(Actor):
 
     async def on_start(self) -> None:
         self.workers = [await self.system.lookup(name, timeout_s=60.0) for name in self.worker_names]
+        if self.sample_sink:
+            self.sink = await self.system.lookup(self.sample_sink, timeout_s=60.0)
 
     async def on_stop(self) -> None:
         for task in list(self.tasks):
@@ -234,14 +248,18 @@ class RefillScheduler(Actor):
                                error=f"{type(e).__name__}: {e}")
         await self._collect(sample)
 
+    async def _seen(self, sample: SampleOut, counted: bool) -> None:
+        if self.on_sample is not None:
+            self.on_sample(sample, counted)
+        if self.sink is not None:
+            await self.sink.tell(SampleSeen(sample=sample, counted=counted))
+
     async def _collect(self, sample: SampleOut) -> None:
         if not self.policy.owns(sample.request_id):
-            if self.on_sample is not None:
-                self.on_sample(sample, False)  # a lost engine's late reply: traced, not counted
+            await self._seen(sample, False)  # a lost engine's late reply: traced, not counted
             return
         self.num_samples_done += 1
-        if self.on_sample is not None:
-            self.on_sample(sample, True)
+        await self._seen(sample, True)
         key = (sample.prompt_index, sample.attempt)
         members = self.groups.setdefault(key, [])
         members.append(sample)

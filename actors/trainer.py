@@ -32,6 +32,7 @@ import concurrent.futures
 import logging
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from miles_async.runtime import Actor, ActorRef, ActorSystem, Failure, Message, RestartPolicy, handler
 from miles_async.trainer import checkpoint
 from miles_async.trainer.config import TrainerConfig
-from miles_async.trainer.fsdp import RankEnv, free_port, init_distributed
+from miles_async.trainer.fsdp import RankEnv, bind_to, free_port, init_distributed
 from miles_async.trainer.packing import TrainSample
 from miles_async.trainer.step import StepMetrics, Trainer, WeightBucket
 
@@ -106,8 +107,9 @@ class TrainerRank(Actor):
     trainer: Trainer  # built in on_start, once the process group is joined
 
     def __init__(self, config: TrainerConfig, rank: int, world_size: int, master_addr: str,
-                 master_port: int, local_rank: int | None = None) -> None:
+                 master_port: int, local_rank: int | None = None, host: str = "") -> None:
         self.config = config
+        self.host = host  # this rank's node address (ranks on several nodes): its gloo/NCCL interface
         self.env = RankEnv(master_addr, master_port, rank, world_size, rank if local_rank is None else local_rank)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer{rank}")
 
@@ -118,8 +120,31 @@ class TrainerRank(Actor):
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         self.env.export()
+        if self.host:
+            bind_to(self.host)
         device = init_distributed(self.config.backend, self.config.process_group_timeout_s)
+        self._check_shared_folder()
         self.trainer = Trainer(self.config, device)
+
+    def _check_shared_folder(self) -> None:
+        """Every rank reads the controller's token file (`TrainerConfig.shared_file`), and all of them
+        fail together, naming the ranks that do not see it, if any does not (a collective)."""
+        cfg = self.config
+        if not cfg.shared_file:
+            return
+        try:
+            ok = Path(cfg.shared_file).read_text() == cfg.shared_token
+        except OSError:
+            ok = False
+        seen: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(seen, (ok, self.host or self.env.master_addr))
+        blind = [f"{rank} (on {host})" for rank, (rank_ok, host) in enumerate(seen) if not rank_ok]
+        if blind:
+            raise RuntimeError(
+                f"trainer rank(s) {', '.join(blind)} do not see the run folder of node 0 ({cfg.shared_file} is "
+                "missing or another run's): trainer ranks off node 0 write checkpoints and weight exports there, "
+                "so put the run folder (--out) on a filesystem every trainer node mounts at the same path, or "
+                "place the trainer on node 0")
 
     async def on_start(self) -> None:
         await self._on_torch_thread(self._build)
@@ -193,6 +218,16 @@ def _destroy_process_group() -> None:
 # -- the spawning side ----------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class RankPlacement:
+    """Where one rank runs: its node's spawner (None: the spawning system's own node), its index
+    among the ranks of that node (LOCAL_RANK: its GPU there), and the node's address ("" on one node)."""
+
+    spawner: Any = None
+    local_rank: int = 0
+    host: str = ""
+
+
 class TrainerGroup:
     """The ranks of one trainer, spawned together; `ask_all` sends a collective to every rank."""
 
@@ -203,25 +238,35 @@ class TrainerGroup:
     async def spawn(cls, system: ActorSystem, config: TrainerConfig, world_size: int | None = None, *,
                     name: str = "trainer", rank_cls: type[TrainerRank] = TrainerRank,
                     master_addr: str = "127.0.0.1", master_port: int | None = None,
-                    restart: RestartPolicy | None = None, spawner: Any = None) -> TrainerGroup:
+                    restart: RestartPolicy | None = None, spawner: Any = None,
+                    placement: list[RankPlacement] | None = None) -> TrainerGroup:
         """Spawn `world_size` ranks (default: `config.world_size`), each in its own process,
         named `<name>-<rank>`.
 
         They are spawned concurrently: each rank's `on_start` waits in the rendezvous for the
         others. Raises `SpawnError` if any rank fails to start. `spawner` (an object with the `spawn`
-        of `actors.controller.Spawner`) starts them on another node; `master_addr` is then that node's.
+        of `actors.controller.Spawner`) starts every rank on another node; `master_addr` is then
+        that node's. `placement` (one per rank) spreads them over nodes instead: each rank started
+        by its own spawner (None: this system), with its LOCAL_RANK and its node's address;
+        `master_addr` is rank 0's node's.
         """
         world_size = config.world_size if world_size is None else world_size
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if placement is None:
+            placement = [RankPlacement(spawner=spawner, local_rank=rank) for rank in range(world_size)]
+        if len(placement) != world_size:
+            raise ValueError(f"placement has {len(placement)} entries for {world_size} ranks")
         port = master_port or free_port(master_addr)
-        if spawner is None:
-            spawns = [system.spawn(rank_cls, f"{name}-{rank}", process=True, restart=restart,
-                                   args=(config, rank, world_size, master_addr, port)) for rank in range(world_size)]
-        else:
-            spawns = [spawner.spawn(rank_cls, f"{name}-{rank}", restart=restart,
-                                    args=(config, rank, world_size, master_addr, port)) for rank in range(world_size)]
-        results = await asyncio.gather(*spawns, return_exceptions=True)
+
+        def start(rank: int, where: RankPlacement) -> Any:
+            args = (config, rank, world_size, master_addr, port, where.local_rank, where.host)
+            if where.spawner is None:
+                return system.spawn(rank_cls, f"{name}-{rank}", process=True, restart=restart, args=args)
+            return where.spawner.spawn(rank_cls, f"{name}-{rank}", restart=restart, args=args)
+
+        results = await asyncio.gather(*(start(rank, where) for rank, where in enumerate(placement)),
+                                       return_exceptions=True)
         refs = [r for r in results if isinstance(r, ActorRef)]
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:

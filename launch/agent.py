@@ -15,15 +15,22 @@ node stops answering (so a dead controller leaves no orphan behind on any node).
 
 `RemoteSpawner(system, agent)` is the controller's `Spawner` (actors/controller.py) for a node:
 the same `spawn(cls, name, args=..., kwargs=...)` as `LocalSpawner` is for its own.
+
+Nodes need not share a filesystem for their engines: before starting one, the controller has the
+agent check the model folder (`ensure_folder`: each file's size and SHA-256), and sends the files
+the node lacks or holds otherwise, in chunks over the same authenticated mailboxes, written to the
+same path there (a folder on a shared filesystem is found complete, and nothing is sent).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import pickle
 import socket
+from pathlib import Path
 from typing import Any, ClassVar
 
 import msgspec
@@ -90,6 +97,85 @@ class ShutdownNode(Message):
     Reply: ClassVar[Any] = None
 
 
+CHUNK_BYTES = 8 << 20  # a file travels in pieces of this size (well under the runtime's message limit)
+
+
+class FileDigest(msgspec.Struct, frozen=True, kw_only=True):
+    name: str  # relative to the folder, "/"-separated
+    size: int
+    sha256: str
+
+
+class MissingFiles(Message):
+    """Which of these files this node lacks in `folder` (absent, or of another size or digest)."""
+
+    folder: str
+    files: list[FileDigest]
+    Reply: ClassVar[Any] = list[str]
+
+
+class PutFile(Message):
+    """A piece of a file for `folder` on this node; the last piece checks the digest and puts the
+    whole file in place (until then it is a hidden partial file)."""
+
+    folder: str
+    file: FileDigest
+    offset: int
+    data: bytes
+    Reply: ClassVar[Any] = None
+
+
+def _sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def digest_folder(folder: str | Path) -> list[FileDigest]:
+    """Size and SHA-256 of every file under `folder` (hidden ones left out)."""
+    root = Path(folder)
+    out = []
+    for path in sorted(root.rglob("*")):
+        name = path.relative_to(root).as_posix()
+        if path.is_file() and not any(part.startswith(".") for part in name.split("/")):
+            out.append(FileDigest(name=name, size=path.stat().st_size, sha256=_sha256(path)))
+    return out
+
+
+def _local_path(folder: str, name: str) -> Path:
+    if not Path(folder).is_absolute() or not name or name.startswith("/") or ".." in name.split("/"):
+        raise ValueError(f"refusing file {name!r} for folder {folder!r}: an absolute folder and a relative name "
+                         "inside it are expected")
+    return Path(folder) / name
+
+
+def _read_at(path: Path, offset: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(CHUNK_BYTES)
+
+
+def _holds(path: Path, file: FileDigest) -> bool:
+    return path.is_file() and path.stat().st_size == file.size and _sha256(path) == file.sha256
+
+
+def _put(folder: str, file: FileDigest, offset: int, data: bytes) -> None:
+    path = _local_path(folder, file.name)
+    part = path.with_name(f".part-{path.name}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(part, "r+b" if offset else "wb") as f:
+        f.seek(offset)
+        f.write(data)
+    if offset + len(data) < file.size:
+        return
+    if not _holds(part, file):
+        part.unlink(missing_ok=True)
+        raise ValueError(f"{path}: the received file does not match its size or SHA-256 (sent again, it may pass)")
+    part.replace(path)
+
+
 class NodeAgent(Actor):
     """Starts processes on this node for the controller (module docstring)."""
 
@@ -125,6 +211,17 @@ class NodeAgent(Actor):
         self.children.append(msg.name)
         log.info("node %d: started %s", self.node_rank, msg.name)
         return ActorAddress(name=ref.name, address=ref.address, capacity=ref.capacity)
+
+    @handler
+    async def missing_files(self, msg: MissingFiles) -> list[str]:
+        def lacking() -> list[str]:
+            return [f.name for f in msg.files if not _holds(_local_path(msg.folder, f.name), f)]
+
+        return await asyncio.to_thread(lacking)
+
+    @handler
+    async def put_file(self, msg: PutFile) -> None:
+        await asyncio.to_thread(_put, msg.folder, msg.file, msg.offset, msg.data)
 
     @handler
     async def status(self, msg: GetNodeStatus) -> NodeStatus:
@@ -194,3 +291,28 @@ class RemoteSpawner:
 
     async def free_port(self) -> int:
         return await self.agent.ask(FreePort(), timeout_s=self.timeout_s)
+
+    async def ensure_folder(self, folder: str | Path, dest: str | Path | None = None) -> int:
+        """Make the node hold `folder` as this one does, at the same path or at `dest` there (module
+        docstring); returns the bytes sent."""
+        folder = str(Path(folder).resolve())
+        there = str(dest or folder)
+        files = await asyncio.to_thread(digest_folder, folder)
+        lacking = set(await self.agent.ask(MissingFiles(folder=there, files=files), timeout_s=self.timeout_s))
+        sent = 0
+        for file in (f for f in files if f.name in lacking):
+            offset = 0
+            while True:
+                data = await asyncio.to_thread(_read_at, Path(folder) / file.name, offset)
+                if not data and offset < file.size:
+                    raise RuntimeError(f"{folder}/{file.name} shrank while being sent to a node")
+                await self.agent.ask(PutFile(folder=there, file=file, offset=offset, data=data),
+                                     timeout_s=self.timeout_s)
+                offset += len(data)
+                if offset >= file.size:
+                    break
+            sent += file.size
+        if lacking:
+            log.warning("sent %d file(s) of %s (%.1f MiB) to a node that lacked them, to %s", len(lacking), folder,
+                        sent / 2**20, there)
+        return sent

@@ -105,6 +105,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     from miles_async.actors.controller import TrainerLostError
     from miles_async.actors.controller import run as run_loop
     from miles_async.actors.recipe import load_recipe
+    from miles_async.runtime import SpawnError
     from miles_async.runtime import run as run_async
 
     if args.resume and not args.out:
@@ -127,6 +128,10 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         result = run_async(run_loop(config, out, resume=args.resume, progress=not args.quiet))
     except TrainerLostError as e:
         print(f"{PROG} run: {e}", file=sys.stderr)
+        return 1
+    except SpawnError as e:  # a process of the run could not start: its own error, not our traceback
+        print(f"{PROG} run: the run could not start: {e.actor} failed: {e.cause.type}: {e.cause.message}",
+              file=sys.stderr)
         return 1
     summary = msgspec.json.encode(result).decode()
     (out / "summary.json").write_text(summary)

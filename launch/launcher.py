@@ -19,9 +19,12 @@ Every launcher holds the run's shared secret (`--secret-file`, or `MILES_ASYNC_S
    the run ends, node 0 tells every agent to stop its processes and exit; an agent whose
    controller stops answering does the same, so no node outlives its run.
 
-Environment of the processes: the trainer ranks get RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT (their own process group, on the trainer's node); on GPUs CUDA_VISIBLE_DEVICES as
-the launcher's.
+Environment of the processes: the trainer ranks get RANK, WORLD_SIZE, LOCAL_RANK (their index on
+their node), MASTER_ADDR and MASTER_PORT (rank 0's node; the ranks may span nodes) and bind their
+node's interface (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME); on GPUs each engine gets
+CUDA_VISIBLE_DEVICES, one of its node's GPUs the trainer ranks there do not use. A node lacking
+the model folder is sent it before its engines start; trainer ranks off node 0 need the run
+folder shared with node 0 (checked as they start).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import msgspec
 log = logging.getLogger("miles_async.launch")
 
 PROG = "miles-async launch"
+REMOTE_TRACEBACK = "--- remote traceback ---"  # where a remote error's message ends and its traceback starts
 
 
 def route_address(master_addr: str, master_port: int) -> str:
@@ -195,7 +199,7 @@ async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str
         try:
             result = await controller.run()
         except BaseException as e:
-            reason = f"the run stopped on node 0: {type(e).__name__}: {e}"
+            reason = f"the run stopped on node 0: {type(e).__name__}: {str(e).split(REMOTE_TRACEBACK)[0].strip()}"
             raise
         finally:
             joins.set()
@@ -246,6 +250,7 @@ def main(args: Any) -> int:
     from miles_async.actors.controller import TrainerLostError
     from miles_async.actors.recipe import load_recipe
     from miles_async.launch.rendezvous import RendezvousError, load_secret, rendezvous
+    from miles_async.runtime import SpawnError
     from miles_async.runtime import run as run_async
 
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
@@ -284,6 +289,10 @@ def main(args: Any) -> int:
         return 3
     except TrainerLostError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
+        return 1
+    except SpawnError as e:  # a process of the run could not start (every node was told, and stopped)
+        print(f"{PROG}: the run could not start: {e.actor} failed: {e.cause.type}: {e.cause.message}",
+              file=sys.stderr)
         return 1
     finally:
         store.close()

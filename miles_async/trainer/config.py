@@ -44,6 +44,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # where full-weight buckets are written for the pusher ("" = a temporary folder of the run;
     # a folder on /dev/shm makes the hand-off a shared-memory one on one node)
     weights_dir: str = ""
+    # A file the controller wrote in the run folder and what it holds: a rank that reads otherwise is
+    # on a node that does not share the run folder (checkpoints and weight exports need it shared).
+    shared_file: str = ""
+    shared_token: str = ""
     weight_bucket_bytes: int = 64 << 20
     process_group_timeout_s: float = 120.0
     objective: Literal["rl", "sft"] = "rl"

@@ -5,6 +5,11 @@ Rendezvous reads MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK from 
 when CUDA is there. Sharding is FSDP2's `fully_shard` on every decoder block, then on the root,
 so that the embedding, final norm and (tied) lm_head form the root's group.
 
+Ranks on several machines: gloo (and NCCL's bootstrap) pick their network interface by resolving
+the machine's hostname, which may give loopback or an address other nodes cannot reach; a rank
+told its node's address (`bind_to`) sets GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface
+holding it, unless they are set already.
+
 Try it (one process): `with single_process_group("gloo") as device: shard_model(model, device)`.
 """
 
@@ -12,8 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
+import ipaddress
 import os
 import socket
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -60,6 +68,35 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface whose (primary IPv4) address is `address` ("lo" for 127/8), or None."""
+    try:
+        if ipaddress.ip_address(address).is_loopback:
+            return "lo"
+    except ValueError:
+        return None
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(sock.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    return None
+
+
+def bind_to(address: str) -> None:
+    """Make this process's gloo and NCCL connections use the interface holding `address` (its
+    node's, which the other nodes reach), unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are set."""
+    name = interface_of(address)
+    if name is None:
+        return
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(key, name)
 
 
 def pick_backend(backend: str) -> str:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from miles_async.actors.trainer import (
     ExportWeights,
     LoadCheckpoint,
+    RankPlacement,
     SaveCheckpoint,
     TrainerGroup,
     TrainerRank,
@@ -26,7 +27,7 @@ from miles_async.actors.trainer import (
     WeightManifest,
 )
 from miles_async.models import init_model
-from miles_async.runtime import ActorSystem, Message, RemoteError, handler
+from miles_async.runtime import ActorSystem, Message, RemoteError, SpawnError, handler
 from miles_async.trainer import checkpoint
 from miles_async.trainer.config import TrainerConfig
 from miles_async.trainer.packing import TrainSample
@@ -177,5 +178,25 @@ def test_crash_mid_save_keeps_previous_and_resume_is_exact(model_dir: Path, tmp_
         assert resumed.keys() == expected.keys()
         for name in expected:
             assert torch.equal(resumed[name], expected[name]), f"{name} differs after resume"
+
+    scenario(main, TIMEOUT_S)
+
+
+def test_ranks_that_do_not_see_the_run_folder_fail_together_naming_themselves(model_dir: Path,
+                                                                                tmp_path: Path) -> None:
+    token_file = tmp_path / ".run-token"
+    token_file.write_text("another run's token")  # what a node without the shared folder might hold
+
+    async def main() -> None:
+        async with ActorSystem(config=config("ipc")) as system:
+            cfg = trainer_config(model_dir, tmp_path, shared_file=str(token_file), shared_token="this run")
+            placement = [RankPlacement(local_rank=0, host="127.0.0.1"), RankPlacement(local_rank=1, host="127.0.0.1")]
+            with pytest.raises(SpawnError, match=r"trainer rank\(s\) 0 \(on 127.0.0.1\), 1 \(on 127.0.0.1\) do not "
+                                                 r"see the run folder of node 0"):
+                await TrainerGroup.spawn(system, cfg, 2, name="blind", placement=placement)
+            token_file.write_text("this run")  # the same file seen by every rank: they start
+            group = await TrainerGroup.spawn(system, cfg, 2, name="seeing", placement=placement)
+            assert (await train(group, 1))[0].weight_version == 1
+            await group.stop()
 
     scenario(main, TIMEOUT_S)

@@ -2,8 +2,9 @@
 address. Network namespaces need privileges CI may not have, so the nodes use distinct loopback
 addresses (127.0.0.1, 127.0.0.2, ...: Linux routes all of 127/8 to lo); each binds only its own.
 
-The recipe is the shipped one, shortened, with the engines placed on node 1 and the trainer on
-node 0, weights by broadcast (a gloo group across the nodes)."""
+The recipe is the shipped one, shortened, with engines placed on node 1 (and node 0), the trainer
+on node 0 or with a rank on each node, weights by "stream" or "broadcast" (a gloo group across
+the nodes)."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ pytestmark = pytest.mark.skipif(not loopback_ok("127.0.0.2"), reason="cannot bin
 
 
 def launcher(rank: int, nnodes: int, port: int, out: Path, *extra: str, env: dict | None = None,
-             quiet: bool = True) -> subprocess.Popen:
-    args = [sys.executable, "-m", "miles_async.launch.cli", "launch", "--nnodes", str(nnodes), "--node-rank", str(rank),
+             quiet: bool = True, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+    args = [*prefix, sys.executable, "-m", "miles_async.launch.cli", "launch", "--nnodes", str(nnodes), "--node-rank", str(rank),
             "--master-addr", "127.0.0.1", "--master-port", str(port), "--host", f"127.0.0.{rank + 1}",
             "--rdzv-timeout-s", "60", str(RECIPE), *extra]
     if rank == 0:
@@ -58,13 +59,16 @@ def launcher(rank: int, nnodes: int, port: int, out: Path, *extra: str, env: dic
 
 # eval on the shared engine: the controller scores through node 1's engine HTTP API, which wants the run's key;
 # the weights travel by "stream", CURVE-authenticated with the run's key like every mailbox
+# the trainer's two ranks span the nodes: one process group over both addresses (gloo bound to each node's);
+# the scheduler and the buffer run on node 1 too, each a process there
 SHORT_TWO_NODES = [*SHORT, "loop.num_steps=3", "eval.mode=shared", "eval.every=3", "placement.engines=[1]",
-                   "weights.transport=stream"]
+                   "weights.transport=stream", "trainer.world_size=2", "placement.trainer=[0,1]",
+                   "placement.scheduler=1", "placement.buffer=1"]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_nodes_run_the_recipe_with_the_engine_on_node_1(tmp_path: Path) -> None:
+def test_two_nodes_run_the_recipe_with_engine_scheduler_buffer_and_a_trainer_rank_on_node_1(tmp_path: Path) -> None:
     port = free_port()
     procs = [launcher(0, 2, port, tmp_path / "run", *SHORT_TWO_NODES),
              launcher(1, 2, port, tmp_path / "run", *SHORT_TWO_NODES, quiet=False)]
@@ -73,7 +77,11 @@ def test_two_nodes_run_the_recipe_with_the_engine_on_node_1(tmp_path: Path) -> N
     assert rc1 == 0, err1[-3000:]
     summary = json.loads(out0.strip().splitlines()[-1])
     assert summary["num_steps"] == 3 and not summary["interrupted"] and len(summary["eval_scores"]) == 1
-    assert "node 1: started engine-0" in err1  # the engine ran on node 1, the trainer on node 0
+    assert "node 1: started engine-0" in err1 and "node 1: started trainer-1" in err1, err1[-2000:]
+    assert "started trainer-0" not in err1  # rank 0 ran on node 0
+    assert "node 1: started scheduler" in err1 and "node 1: started buffer" in err1
+    samples = [json.loads(line) for line in (tmp_path / "run" / "trace.jsonl").read_text().splitlines()]
+    assert sum(r["kind"] == "sample" for r in samples) >= 3 * 2 * 4  # node 1's scheduler reported each one
     assert "node 1 stops: the run is over" in err1
     for p in procs:
         assert session_pids(p.pid) == [], "a process of the run outlived it"
@@ -231,5 +239,49 @@ def test_an_engine_node_cut_off_and_back_rejoins_with_the_current_weights(tmp_pa
     assert "engine engine-1 is gone" in err0 and "node 1 (127.0.0.2) is back" in err0
     version = joined_at(err0, "engine-2")
     assert first_versions(out)["engine-2"] >= version > 0
+    for p in procs:
+        assert session_pids(p.pid) == [], "a process of the run outlived it"
+
+
+def private_folder(folder: Path) -> tuple[str, ...]:
+    """A command prefix: run in a mount namespace of its own where `folder` is an empty tmpfs (a
+    node that does not share node 0's filesystem there). Skips where mount namespaces are not allowed."""
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                            f"mount -t tmpfs none {folder} && ! ls -A {folder} | grep -q ."],
+                           check=False, capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here ({probe.stderr.strip()[:200]})")
+    return ("unshare", "--mount", "--propagation", "private", "sh", "-c", f'mount -t tmpfs none {folder} && exec "$@"',
+            "sh")
+
+
+@pytest.mark.timeout(300)
+def test_a_node_without_the_run_folder_gets_the_model_for_its_engine(tmp_path: Path) -> None:
+    out, port = tmp_path / "run", free_port()
+    (tmp_path / "marker").write_text("node 0's")
+    prefix = private_folder(tmp_path)
+    args = [*SHORT, "loop.num_steps=3", "eval.mode=none", "placement.engines=[1]", "weights.transport=stream"]
+    procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args, prefix=prefix)]
+    (rc0, out0, err0), (rc1, _, err1) = finish(procs, 240)
+    assert rc0 == 0 and rc1 == 0, err0[-3000:] + "\n--- node 1 ---\n" + err1[-2000:]
+    assert json.loads(out0.strip().splitlines()[-1])["num_steps"] == 3
+    assert "to a node that lacked them" in err0  # the model went over the wire, not through a shared folder
+    for p in procs:
+        assert session_pids(p.pid) == [], "a process of the run outlived it"
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_rank_on_a_node_without_the_run_folder_is_refused_naming_it(tmp_path: Path) -> None:
+    out, port = tmp_path / "run", free_port()
+    prefix = private_folder(tmp_path)
+    args = [*SHORT, "loop.num_steps=3", "eval.mode=none", "trainer.world_size=2", "placement.trainer=[0,1]"]
+    started = time.monotonic()
+    procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args, prefix=prefix)]
+    (rc0, _, err0), (_, _, err1) = finish(procs, 240)
+    assert rc0 != 0 and time.monotonic() - started < 120
+    # the launcher's own word: the cause, not a traceback (the failed process logs its own)
+    assert ("\nmiles-async launch: the run could not start: trainer-0 failed: RuntimeError: trainer rank(s) 1 (on "
+            "127.0.0.2) do not see the run folder of node 0") in err0, err0[-3000:]
+    assert "node 1 stops: the run stopped on node 0: SpawnError" in err1
     for p in procs:
         assert session_pids(p.pid) == [], "a process of the run outlived it"

@@ -102,3 +102,20 @@ def test_node_1_in_its_own_namespace_survives_its_link_going_down(tmp_path: Path
     assert first_versions(out)["engine-2"] >= version > 0
     for p in procs:
         assert session_pids(p.pid) == [], "a process of the run outlived it"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_trainer_ranks_on_both_sides_of_the_link_train_together(tmp_path: Path, namespace: tuple[str, str]) -> None:
+    """Rank 1 in the namespace: its gloo connections must use the veth address (its node's), not
+    whatever the hostname resolves to there."""
+    out = tmp_path / "run"
+    port = 29900 + os.getpid() % 500
+    args = [*SHORT, "loop.num_steps=3", "eval.mode=none", "placement.engines=[1]", "weights.transport=stream",
+            "trainer.world_size=2", "placement.trainer=[0,1]"]
+    procs = [launcher(0, port, out, namespace, *args), launcher(1, port, out, namespace, *args)]
+    (rc0, out0, err0), (rc1, _, err1) = finish(procs, 240)
+    assert rc0 == 0 and rc1 == 0, err0[-3000:] + "\n--- node 1 ---\n" + err1[-2000:]
+    assert json.loads(out0.strip().splitlines()[-1])["num_steps"] == 3
+    for p in procs:
+        assert session_pids(p.pid) == [], "a process of the run outlived it"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from miles_async.actors.controller import Controller, Node
@@ -13,6 +15,7 @@ def test_engines_cycle_over_their_nodes_and_node_0_is_always_in() -> None:
                                    "weights.transport=broadcast"]).placement
     assert [placement.engine_node(i) for i in range(5)] == [1, 2, 1, 2, 1]
     assert placement.nodes == {0, 1, 2}
+    assert load_recipe(None, ["placement.scheduler=3", "placement.buffer=4"]).placement.nodes == {0, 3, 4}
     assert load_recipe(None).placement.engine_node(3) == 0  # one node: everything on 0
 
 
@@ -20,6 +23,9 @@ def test_engines_cycle_over_their_nodes_and_node_0_is_always_in() -> None:
     (["placement.engines=[1]", "weights.transport=shm"], "needs the engines on the controller's node"),
     (["placement.engines=[-1]"], "placement node ranks must be >= 0"),
     (["placement.trainer=-2"], "placement node ranks must be >= 0"),
+    (["placement.scheduler=-1"], "placement node ranks must be >= 0"),
+    (["placement.trainer=[0,-1]", "trainer.world_size=2"], "placement node ranks must be >= 0"),
+    (["placement.trainer=[0,1,1]", "trainer.world_size=2"], "lists 3 node\\(s\\) but trainer.world_size is 2"),
 ])
 def test_bad_placements_are_refused(overrides: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -41,3 +47,31 @@ def test_each_engine_gets_a_gpu_of_its_node_after_the_trainer_ranks(tmp_path) ->
     assert [controller._gpu_env(nodes[0])["CUDA_VISIBLE_DEVICES"] for _ in range(3)] == ["2", "3", "0"]
     assert [controller._gpu_env(nodes[1])["CUDA_VISIBLE_DEVICES"] for _ in range(3)] == ["0", "1", "0"]
     assert controller._gpu_env(nodes[2]) is None  # a CPU node: nothing set
+
+
+def test_trainer_ranks_spread_over_nodes_get_their_local_rank_address_and_gpus(tmp_path) -> None:
+    config = load_recipe(None, ["trainer.world_size=3", "placement.trainer=[1,0,1]", "placement.engines=[1]",
+                                "weights.transport=stream"])
+    assert config.placement.trainer_nodes(3) == [1, 0, 1] and config.placement.nodes == {0, 1}
+    nodes = {0: Node(rank=0, host="10.0.0.1", spawner="spawner-0", num_gpus=8),
+             1: Node(rank=1, host="10.0.0.2", spawner="spawner-1", num_gpus=8)}
+    controller = Controller(config, tmp_path, nodes=nodes)
+    ranks = controller._trainer_placement()
+    assert [(r.spawner, r.local_rank, r.host) for r in ranks] == [
+        ("spawner-1", 0, "10.0.0.2"), ("spawner-0", 0, "10.0.0.1"), ("spawner-1", 1, "10.0.0.2")]
+    assert controller._gpu_env(nodes[1]) == {"CUDA_VISIBLE_DEVICES": "2"}  # after ranks 0 and 2 (GPUs 0, 1)
+    assert controller._gpu_env(nodes[0]) == {"CUDA_VISIBLE_DEVICES": "1"}
+    one = load_recipe(None, ["trainer.world_size=2"]).placement  # one number: every rank there
+    assert one.trainer_nodes(2) == [0, 0]
+
+
+def test_a_rank_binds_the_interface_holding_its_node_address(monkeypatch) -> None:
+    from miles_async.trainer.fsdp import bind_to, interface_of
+
+    assert interface_of("127.0.0.7") == "lo"  # all of 127/8 is lo's
+    assert interface_of("203.0.113.77") is None  # an address no interface here holds
+    assert interface_of("node-3") is None
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the user's choice stands
+    bind_to("127.0.0.2")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo" and os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
