@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import aiohttp
 import msgspec
 
 from miles_async.actors.buffer import Batch, Buffer, BufferStats, GetBatch
@@ -61,6 +62,13 @@ from miles_async.actors.scheduler import (
     TrainerStepped,
     WeightVersionChanged,
 )
+from miles_async.actors.sessions import (
+    AddSessionEngine,
+    CloseSessions,
+    RemoveSessionEngine,
+    SessionHost,
+    SessionsUrl,
+)
 from miles_async.actors.trainer import (
     ExportWeights,
     LoadCheckpoint,
@@ -70,7 +78,6 @@ from miles_async.actors.trainer import (
     TrainStep,
 )
 from miles_async.actors.weights import PushWeights, WeightPusher, WeightSyncConfig
-from miles_async.agents.session import SessionServer
 from miles_async.engine.client import EngineClient
 from miles_async.models import init_model, load_tokenizer
 from miles_async.observe import (
@@ -269,7 +276,8 @@ class Controller:
         else:
             self.dataset = prompts(cfg.task.reverse, cfg.task.num_prompts, self.tokenizer, split="train")
             self.probe = prompts(cfg.task.reverse, num_probe, self.tokenizer, split="probe")
-        self.sessions: SessionServer | None = None
+        self.sessions: ActorRef | None = None  # the TITO session server's host (agent runs)
+        self.sessions_url = ""
         self.prompt_tokens_sent = 0
         self.cached_tokens = 0
         self.reward_fn = load_reward(cfg.task.reward)
@@ -348,7 +356,7 @@ class Controller:
         if self.agentic:
             assert self.sessions is not None
             agent_kwargs |= {"agent": cfg.agent.agent, "environment": cfg.agent.environment,
-                            "session_url": self.sessions.url, "sandbox": cfg.agent.sandbox,
+                            "session_url": self.sessions_url, "sandbox": cfg.agent.sandbox,
                             "rollout": cfg.agent.rollout}
         for name in workers:
             await system.spawn(RolloutWorker, name, args=(cfg.task.reward,), kwargs=agent_kwargs)
@@ -380,6 +388,22 @@ class Controller:
         if not remote:
             return await system.spawn(cls, name, args=args, kwargs=kwargs)
         return await self.nodes[node_rank].spawner.spawn(cls, name, args=args, kwargs=kwargs)
+
+    async def _spawn_sessions(self, system: ActorSystem) -> None:
+        """The session server: in this process on loopback (node 0), or a process on its node serving
+        that node's address, where it wants the run's API key (and the model folder, for the tokenizer)."""
+        assert self.nodes is not None
+        node = self.nodes[self.config.placement.sessions]
+        urls = [self.engine_urls[e.name] for e in self.engines]
+        if node.rank == 0:
+            self.sessions = await system.spawn(SessionHost, "sessions", args=(urls, str(self.model_dir)),
+                                               kwargs={"engine_api_key": self.engine_api_key})
+        else:
+            await self._give_model(node)
+            self.sessions = await node.spawner.spawn(
+                SessionHost, "sessions", args=(urls, str(self.model_dir)),
+                kwargs={"host": node.host, "api_key": self.engine_api_key, "engine_api_key": self.engine_api_key})
+        self.sessions_url = await self.sessions.ask(SessionsUrl(), timeout_s=ASK_S)
 
     def _trace_sample(self, sample: SampleOut, counted: bool) -> None:
         if counted and not sample.aborted:
@@ -496,11 +520,12 @@ class Controller:
         sampling = {"temperature": temperature, "max_tokens": cfg.rollout.sampling.max_new_tokens}
         self._probe_round = getattr(self, "_probe_round", 0) + 1
         ids = [f"probe{self._probe_round}-{i}" for i in range(len(items))]
-        episodes = await asyncio.gather(*(run_episode(agent, environment, item, f"{self.sessions.url}/sessions/{sid}/v1",
-                                                      sampling=sampling) for item, sid in zip(items, ids)))
-        for sid in ids:
-            if sid in self.sessions.sessions:
-                self.sessions.close_session(sid)
+        headers = {"Authorization": f"Bearer {self.engine_api_key}"} if self.engine_api_key else None
+        async with aiohttp.ClientSession(headers=headers) as http:  # the key: a session server off node 0
+            episodes = await asyncio.gather(*(run_episode(agent, environment, item,
+                                                          f"{self.sessions_url}/sessions/{sid}/v1", sampling=sampling,
+                                                          http=http) for item, sid in zip(items, ids)))
+        await self.sessions.ask(CloseSessions(session_ids=ids), timeout_s=ASK_S)
         return statistics.fmean(e.reward or 0.0 for e in episodes) if episodes else 0.0
 
     # ----- evaluation -----
@@ -709,10 +734,8 @@ class Controller:
                 if self.nodes is None:
                     self.nodes = {0: Node(rank=0, host="127.0.0.1", spawner=LocalSpawner(system))}
                 await self._spawn(system)
-                if self.agentic:  # the TITO session server, in this process, routing sessions to the engines
-                    self.sessions = SessionServer([self.engine_urls[e.name] for e in self.engines], str(self.model_dir),
-                                                  engine_api_key=self.engine_api_key)
-                    await self.sessions.start()
+                if self.agentic:  # the TITO session server, routing sessions to the engines
+                    await self._spawn_sessions(system)
                 first_step, first_prompt, sft_steps, sft_acc = await self._resume_or_warm_start()
                 await self._spawn_rollout(system, first_prompt)
                 monitor = asyncio.ensure_future(self._watch_engines())
@@ -723,8 +746,6 @@ class Controller:
                 interrupted = self.stop.is_set()
                 await self._checkpoint()
                 await self._stop_all(system)
-                if self.sessions is not None:
-                    await self.sessions.stop()
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -843,7 +864,7 @@ class Controller:
                 actor = name if self.config.rollout.client == "actor" else ""
                 await self.scheduler.tell(AddEngine(name=name, url=state.url, version=self.version, actor=actor))
                 if self.sessions is not None:  # agents' sessions are routed by the session server
-                    self.sessions.add_engine(state.url)
+                    await self.sessions.ask(AddSessionEngine(url=state.url), timeout_s=ASK_S)
                 log.warning("node %d joined: %s serves from weight version %d", node.rank, name, self.version)
 
     async def _watch_engines(self, interval_s: float = 0.5) -> None:
@@ -864,13 +885,13 @@ class Controller:
                     await self.scheduler.tell(EngineLost(name=ref.name))
                     await self.pusher.ask(ForgetEngine(name=ref.name), timeout_s=ASK_S)
                     if self.sessions is not None:
-                        await self.sessions.remove_engine(self.engine_urls[ref.name])
+                        await self.sessions.ask(RemoveSessionEngine(url=self.engine_urls[ref.name]), timeout_s=ASK_S)
                     if not self.engines:
                         log.error("no engine left: stopping the run")
                         self.stop.set()
 
     async def _stop_all(self, system: ActorSystem) -> None:
-        for ref in (self.scheduler, self.buffer):
+        for ref in (self.scheduler, self.buffer, self.sessions):
             if ref is not None:
                 with contextlib.suppress(Exception):
                     await system.stop(ref)

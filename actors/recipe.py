@@ -139,21 +139,23 @@ class PlacementSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         trainer.world_size numbers: ranks spanning nodes). Trainer ranks off node 0 write
         checkpoints and weight exports that node 0 reads: the run folder must be on a filesystem
         those nodes share (checked when the ranks start).
-    scheduler, buffer: the node of the refill scheduler and of the buffer (each a process of its own
-        off node 0; on node 0 they live in the controller's process).
-    The controller, rollout workers, weight pusher and session server run on node 0.
+    scheduler, buffer, sessions: the node of the refill scheduler, of the buffer and of the TITO
+        session server (agent runs); each a process of its own off node 0, in the controller's
+        process on node 0.
+    The controller, rollout workers and weight pusher run on node 0.
     """
 
     engines: list[int] = []
     trainer: int | list[int] = 0
     scheduler: int = 0
     buffer: int = 0
+    sessions: int = 0
 
     def __post_init__(self) -> None:
         trainer = self.trainer if isinstance(self.trainer, list) else [self.trainer]
-        if (any(n < 0 for n in (*self.engines, *trainer, self.scheduler, self.buffer)) or not trainer):
+        if any(n < 0 for n in (*self.engines, *trainer, self.scheduler, self.buffer, self.sessions)) or not trainer:
             raise ValueError(f"placement node ranks must be >= 0, got engines={self.engines} trainer={self.trainer} "
-                             f"scheduler={self.scheduler} buffer={self.buffer}")
+                             f"scheduler={self.scheduler} buffer={self.buffer} sessions={self.sessions}")
 
     def engine_node(self, index: int) -> int:
         return self.engines[index % len(self.engines)] if self.engines else 0
@@ -170,7 +172,7 @@ class PlacementSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     @property
     def nodes(self) -> set[int]:
         trainer = self.trainer if isinstance(self.trainer, list) else [self.trainer]
-        return {0, *trainer, *self.engines, self.scheduler, self.buffer}
+        return {0, *trainer, *self.engines, self.scheduler, self.buffer, self.sessions}
 
 
 class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

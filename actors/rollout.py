@@ -152,7 +152,7 @@ class RolloutWorker(Actor):
                  session_url: str = "", sandbox: bool = False,
                  rollout: str = "miles_async.agents.api:run_episode", api_key: str | None = None) -> None:
         self.reward_fn = load_reward(reward)
-        self.api_key = api_key  # the engines' HTTP API key (a multi-node run's)
+        self.api_key = api_key  # the engines' HTTP API key (a multi-node run's; the session server's too)
         self.timeout_s = timeout_s
         # Agent mode: each sample is an episode of `agent` in `environment`, talking to the policy
         # through a session of the TITO server at `session_url`.
@@ -232,7 +232,8 @@ class RolloutWorker(Actor):
         s = msg.sampling
         sampling = {"temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_new_tokens}
         if self.agent_http is None:
-            self.agent_http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            self.agent_http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                                    headers=_bearer(self.api_key))  # a session server off node 0
         http = self.agent_http
         try:
             episode = await self.rollout_fn(self.agent, environment, msg.task,
@@ -293,3 +294,7 @@ class RolloutWorker(Actor):
         return SampleOut(**fields, output_ids=output_ids, output_logprobs=logprobs, output_text=text,
                          finish_reason=finish, versions=versions, reward=reward, end_s=time.time(), error=error,
                          routed_experts=experts)
+
+
+def _bearer(api_key: str | None) -> dict[str, str] | None:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else None

@@ -13,7 +13,13 @@ The decisions (what to submit, where, whether admission is open) are
 `policies.refill.RefillPolicy`'s; this actor sends them and collects the answers. A finished
 sample frees its slot at once and the slot is refilled in the same turn; a group whose n samples
 are in goes to the buffer. Replies from an engine that was declared lost are ignored (the policy
-reissued those samples), so no sample is counted twice.
+reissued those samples), so no sample is counted twice. When every sample fails (an agent that
+always raises, a session server or engine refusing at once), the refill would spin as fast as
+the failures come: past 16 failures in a row each one waits before its slot is refilled
+(doubling, up to 5 s), the latest error is logged, and the first success ends the wait.
+
+Off the controller's node (`[placement] scheduler`) it reports each finished sample to the
+controller's `sample_sink` actor instead of calling `on_sample`.
 
 With a `seed`, every sample's sampling seed is derived from it and (prompt, index, attempt), so
 a run samples the same whatever the completion order (the engine then keeps a generator per
@@ -90,6 +96,11 @@ def sample_seed(run_seed: int, prompt_index: int, index: int, attempt: int) -> i
     return zlib.crc32(f"{run_seed}:{prompt_index}:{index}:{attempt}".encode())
 
 
+FAIL_STREAK = 16  # failed samples in a row before the scheduler backs off (see `_back_off`)
+BACKOFF_S = 0.05
+MAX_BACKOFF_S = 5.0
+
+
 class SampleSeen(Message):
     """To the scheduler's `sample_sink`: a finished sample, and whether it counted (False: a late
     reply from an engine declared lost, traced only)."""
@@ -138,6 +149,7 @@ class RefillScheduler(Actor):
         self._busy_since: dict[str, float] = {}
         self._next_worker = 0
         self.held: list[Submit] | None = None  # submits kept back while rollouts are held
+        self.failed_in_a_row = 0  # samples that failed (error) since the last one that did not
 
     async def on_start(self) -> None:
         self.workers = [await self.system.lookup(name, timeout_s=60.0) for name in self.worker_names]
@@ -246,7 +258,25 @@ class RefillScheduler(Actor):
                                output_ids=[], output_logprobs=[], output_text="", finish_reason="error",
                                versions=[msg.engine_version], reward=0.0, submit_s=time.time(), end_s=time.time(),
                                error=f"{type(e).__name__}: {e}")
+        await self._back_off(sample)
         await self._collect(sample)
+
+    async def _back_off(self, sample: SampleOut) -> None:
+        """Every sample failing (an agent that always raises, a session server refusing, an engine
+        answering errors at once) would have the refill resubmit as fast as the failures come:
+        past FAIL_STREAK failures in a row each one waits before it is collected (doubling up to
+        MAX_BACKOFF_S) and the latest error is logged, until a sample succeeds again."""
+        if sample.finish_reason != "error":
+            self.failed_in_a_row = 0
+            return
+        self.failed_in_a_row += 1
+        streak = self.failed_in_a_row
+        if streak < FAIL_STREAK:
+            return
+        if streak & (streak - 1) == 0:  # 16, 32, 64, ...: say so, with the cause
+            log.warning("%d samples in a row failed (latest, prompt %d: %s); backing off until one succeeds",
+                        streak, sample.prompt_index, sample.error or sample.finish_reason)
+        await asyncio.sleep(min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (streak // FAIL_STREAK - 1)))
 
     async def _seen(self, sample: SampleOut, counted: bool) -> None:
         if self.on_sample is not None:

@@ -9,8 +9,9 @@ episode's session on the TITO session server (the server owns tokenization, so w
 sends, the tokens the model sampled are the ones trained on), calls tools through
 `ctx.call_tool` (the environment runs them, in the sandbox), reads the task's data from
 `ctx.task`, and may report a reward itself (`ctx.report_reward`); otherwise the environment's
-`verify` scores the agent's final answer. `ctx.base_url` is the session's OpenAI base URL, for an
-agent harness of its own (`openai.AsyncOpenAI(base_url=ctx.base_url, api_key="-")`).
+`verify` scores the agent's final answer. `ctx.base_url` is the session's OpenAI base URL, and
+`ctx.api_key` the key the session server wants ("-" when it wants none: on loopback), for an
+agent harness of its own (`openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)`).
 
 Each layer can be replaced without the others; `tests/unit/test_agents_api.py` holds the contract
 tests a replacement must pass.
@@ -95,6 +96,12 @@ class AgentContext:
     @property
     def base_url(self) -> str:
         return self.chat.base_url
+
+    @property
+    def api_key(self) -> str:
+        """The session server's API key: the bearer token of the episode's HTTP session, else "-"."""
+        bearer = self.chat._http.headers.get("Authorization", "")
+        return bearer.removeprefix("Bearer ") if bearer.startswith("Bearer ") else "-"
 
     def report_reward(self, reward: float) -> None:
         self.reward = float(reward)

@@ -432,7 +432,8 @@ class SessionServer(AppServer):
 
     def __init__(self, engine_urls: Sequence[str], model_dir_or_tokenizer: str | Path | Tokenizer,
                  host: str = "127.0.0.1", port: int = 0, *, max_sessions: int = DEFAULT_MAX_SESSIONS,
-                 engine_timeout_s: float = 600.0, engine_api_key: str | None = None) -> None:
+                 engine_timeout_s: float = 600.0, engine_api_key: str | None = None,
+                 api_key: str | None = None) -> None:
         if not engine_urls:
             raise ValueError("give at least one engine URL (e.g. http://127.0.0.1:30000)")
         if isinstance(model_dir_or_tokenizer, Tokenizer):
@@ -443,7 +444,7 @@ class SessionServer(AppServer):
         self.tokenizer = tokenizer
         self.engine_timeout_s, self.engine_api_key = engine_timeout_s, engine_api_key
         self.engines = [self._slot(url) for url in engine_urls]
-        super().__init__(host, port)
+        super().__init__(host, port, api_key)  # api_key: what its own clients must send (off loopback)
         self.max_sessions = max_sessions
         self.sessions: dict[str, Session] = {}
         self._num_closed_turns = 0

@@ -45,10 +45,10 @@ pytestmark = pytest.mark.skipif(not loopback_ok("127.0.0.2"), reason="cannot bin
 
 
 def launcher(rank: int, nnodes: int, port: int, out: Path, *extra: str, env: dict | None = None,
-             quiet: bool = True, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+             quiet: bool = True, prefix: tuple[str, ...] = (), recipe: Path = RECIPE) -> subprocess.Popen:
     args = [*prefix, sys.executable, "-m", "miles_async.launch.cli", "launch", "--nnodes", str(nnodes), "--node-rank", str(rank),
             "--master-addr", "127.0.0.1", "--master-port", str(port), "--host", f"127.0.0.{rank + 1}",
-            "--rdzv-timeout-s", "60", str(RECIPE), *extra]
+            "--rdzv-timeout-s", "60", str(recipe), *extra]
     if rank == 0:
         args += ["--out", str(out)]
     if quiet:
@@ -142,6 +142,30 @@ def spawned_children(pid: int) -> list[int]:
         if ppid == pid and b"spawn_main" in cmdline:
             found.append(int(proc.name))
     return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_agent_run_with_the_session_server_and_engine_on_node_1(tmp_path: Path) -> None:
+    """The TITO session server serves node 1's address, where it wants the run's API key: the
+    rollout workers' agents and the controller's evaluation (both on node 0) send it."""
+    port, out = free_port(), tmp_path / "run"
+    args = ["sft.max_steps=10", "sft.probe_every=10", "sft.num_probe=4", "loop.num_steps=3", "loop.batch_groups=2",
+            "rollout.group_size=2", "rollout.target_in_flight=8", "buffer.filter=none", "eval.every=3",
+            "eval.num_prompts=4", "task.num_prompts=200", "placement.engines=[1]", "placement.sessions=1",
+            "weights.transport=stream"]
+    recipe = RECIPE.parent / "calculator.toml"
+    procs = [launcher(0, 2, port, out, *args, recipe=recipe),
+             launcher(1, 2, port, out, *args, recipe=recipe, quiet=False)]
+    (rc0, out0, err0), (rc1, _, err1) = finish(procs, 240)
+    assert rc0 == 0 and rc1 == 0, err0[-3000:] + "\n--- node 1 ---\n" + err1[-2000:]
+    summary = json.loads(out0.strip().splitlines()[-1])
+    assert summary["num_steps"] == 3 and len(summary["eval_scores"]) == 1
+    assert "node 1: started sessions" in err1 and "node 1: started engine-0" in err1
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["num_tokens"] / r["num_samples"] > 300 for r in metrics)  # whole conversations, through node 1
+    for p in procs:
+        assert session_pids(p.pid) == [], "a process of the run outlived it"
 
 
 @pytest.mark.slow

@@ -58,13 +58,13 @@ def tokenizer(model_dir):
 
 
 @contextlib.asynccontextmanager
-async def served(model_dir, num_engines: int = 1):
+async def served(model_dir, num_engines: int = 1, api_key: str | None = None):
     async with contextlib.AsyncExitStack() as stack:
         urls = []
         for _ in range(num_engines):
             engine = Engine.from_pretrained(str(model_dir), config=EngineConfig(kv_cache_mib=8, block_size=8))
             urls.append((await stack.enter_async_context(EngineServer(engine))).url)
-        server = await stack.enter_async_context(SessionServer(urls, model_dir))
+        server = await stack.enter_async_context(SessionServer(urls, model_dir, api_key=api_key))
         yield server, urls
 
 
@@ -292,6 +292,24 @@ def test_a_lost_engine_gets_no_more_sessions_and_its_sessions_move_on(model_dir)
     assert moved == 1 and new == 1 and back == 2
     assert [e["alive"] for e in engines] == [False, False, True]
     assert engines[0]["num_sessions"] == 0  # the moved session left it
+
+
+def test_a_session_server_with_an_api_key_refuses_requests_without_it(model_dir):
+    """Off loopback (a multi-node run) the server wants the run's key, as the engines do."""
+    async def scenario():
+        async with served(model_dir, api_key="k" * 16) as (server, _):
+            messages = [SYSTEM, {"role": "user", "content": "Hi."}]
+            for key in ("x", "-"):
+                client = AsyncOpenAI(base_url=f"{server.url}/sessions/s/v1", api_key=key, max_retries=0,
+                                     timeout=TIMEOUT_S)
+                with pytest.raises(openai.AuthenticationError, match="missing or wrong API key"):
+                    await client.chat.completions.create(model="tiny", messages=messages, **GREEDY)
+            client = AsyncOpenAI(base_url=f"{server.url}/sessions/s/v1", api_key="k" * 16, max_retries=0,
+                                 timeout=TIMEOUT_S)
+            await client.chat.completions.create(model="tiny", messages=messages, **GREEDY)
+            return list(server.sessions)
+
+    assert run(scenario()) == ["s"]  # only the keyed request opened a session
 
 
 # ----- TitoTokenizer with chosen sampled ids -----
