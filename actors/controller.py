@@ -106,6 +106,11 @@ SHARED_FILE = ".run-token"  # in the run folder: what trainer ranks on other nod
 WAIT_REPORT_S = 30.0  # a step waiting this long for data says what the buffer holds and dropped
 
 
+class RunSetupError(RuntimeError):
+    """The run cannot start as configured and placed (found when its nodes are there, before any
+    process starts); the message names the nodes and the fix."""
+
+
 class TrainerLostError(RuntimeError):
     """A trainer rank died or failed: the run cannot go on (the ranks train together). The message
     names the rank, its error, the step, and the checkpoint `--resume` continues from."""
@@ -151,6 +156,10 @@ class Spawner(Protocol):
         """Make the node hold `folder` (the model's) as the controller's node does; the bytes sent."""
         ...
 
+    async def shares(self, path: str | Path) -> bool:
+        """Whether the node sees the file at `path` as the controller's node does (a shared filesystem)."""
+        ...
+
 
 class LocalSpawner:
     """`Spawner` for the controller's own node."""
@@ -168,6 +177,9 @@ class LocalSpawner:
 
     async def ensure_folder(self, folder: str | Path) -> int:
         return 0  # this node's own files
+
+    async def shares(self, path: str | Path) -> bool:
+        return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,7 +334,9 @@ class Controller:
             placed.append(nodes[0])
         self.num_engines_started = r.num_engines
         self.engine_cfg = engine_cfg
-        await asyncio.gather(*(self._give_model(node) for node in {n.rank: n for n in placed}.values()))
+        engine_nodes = list({n.rank: n for n in placed}.values())
+        await self._check_network(engine_nodes)
+        await asyncio.gather(*(self._give_model(node) for node in engine_nodes))
         spawns = [node.spawner.spawn(EngineActor, name, args=(str(self.model_dir), engine_cfg),
                                      kwargs={"http_host": node.host, "http_port": 0, "num_threads": r.engine_threads,
                                              "api_key": self.engine_api_key}, env=self._gpu_env(node))
@@ -811,6 +825,26 @@ class Controller:
             manifest = await self.trainer.ask(ExportWeights(folder=str(self.run_dir / "sft_model" / "buckets")), ASK_S)
             await asyncio.to_thread(_as_hf_folder, self.model_dir, manifest, self.run_dir / "sft_model")
         return 0, 0, sft_steps, accuracy
+
+    async def _check_network(self, engine_nodes: list[Node]) -> None:
+        """What crosses nodes, said before anything starts: a `disk_delta` transport needs the run
+        folder shared with the engines' nodes (refused otherwise, naming them), and torch.distributed's
+        own connections (trainer ranks on several nodes, `broadcast` to other nodes) have no
+        authentication (warned: they belong on a trusted network)."""
+        cfg = self.config
+        remote = [n for n in engine_nodes if n.rank != 0]
+        if cfg.weights.transport == "disk_delta" and remote:
+            blind = [n.rank for n in remote if not await n.spawner.shares(self.run_dir / SHARED_FILE)]
+            if blind:
+                raise RunSetupError(f'weights.transport = "disk_delta" writes deltas into the run folder ({self.run_dir}) '
+                                 f"for the engines to read, but node(s) {blind} do not see it: put it on a filesystem "
+                                 'they mount at the same path, or use "stream" (no shared folder needed)')
+        trainer_nodes = set(cfg.placement.trainer_nodes(cfg.trainer.world_size))
+        if len(trainer_nodes) > 1 or (cfg.weights.transport == "broadcast" and remote):
+            what = "trainer ranks on several nodes" if len(trainer_nodes) > 1 else "weights by broadcast to other nodes"
+            log.warning("%s: their torch.distributed connections (gloo/NCCL and their TCPStore) have no "
+                        "authentication, as torchrun's: keep these nodes on a trusted network%s", what,
+                        "" if len(trainer_nodes) > 1 else ' (weights.transport = "stream" is authenticated)')
 
     async def _give_model(self, node: Node) -> None:
         """The model folder on `node` before its engines load it (sent if that node lacks it)."""

@@ -292,6 +292,13 @@ class RemoteSpawner:
     async def free_port(self) -> int:
         return await self.agent.ask(FreePort(), timeout_s=self.timeout_s)
 
+    async def shares(self, path: str | Path) -> bool:
+        """Whether the node sees the file at `path` as this one does (a shared filesystem)."""
+        path = Path(path).resolve()
+        file = FileDigest(name=path.name, size=path.stat().st_size, sha256=await asyncio.to_thread(_sha256, path))
+        missing = await self.agent.ask(MissingFiles(folder=str(path.parent), files=[file]), timeout_s=self.timeout_s)
+        return not missing
+
     async def ensure_folder(self, folder: str | Path, dest: str | Path | None = None) -> int:
         """Make the node hold `folder` as this one does, at the same path or at `dest` there (module
         docstring); returns the bytes sent."""

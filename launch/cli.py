@@ -102,7 +102,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
 
     import msgspec
 
-    from miles_async.actors.controller import TrainerLostError
+    from miles_async.actors.controller import RunSetupError, TrainerLostError
     from miles_async.actors.controller import run as run_loop
     from miles_async.actors.recipe import load_recipe
     from miles_async.runtime import SpawnError
@@ -129,6 +129,9 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     except TrainerLostError as e:
         print(f"{PROG} run: {e}", file=sys.stderr)
         return 1
+    except RunSetupError as e:
+        print(f"{PROG} run: the run cannot start: {e}", file=sys.stderr)
+        return 2
     except SpawnError as e:  # a process of the run could not start: its own error, not our traceback
         print(f"{PROG} run: the run could not start: {e.actor} failed: {e.cause.type}: {e.cause.message}",
               file=sys.stderr)

@@ -247,7 +247,7 @@ def runtime_config(host: str, args: Any) -> Any:
 
 def main(args: Any) -> int:
     """The `launch` verb (its arguments parsed by `miles_async.launch.cli`)."""
-    from miles_async.actors.controller import TrainerLostError
+    from miles_async.actors.controller import RunSetupError, TrainerLostError
     from miles_async.actors.recipe import load_recipe
     from miles_async.launch.rendezvous import RendezvousError, load_secret, rendezvous
     from miles_async.runtime import SpawnError
@@ -290,6 +290,9 @@ def main(args: Any) -> int:
     except TrainerLostError as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1
+    except RunSetupError as e:
+        print(f"{PROG}: the run cannot start: {e}", file=sys.stderr)
+        return 2
     except SpawnError as e:  # a process of the run could not start (every node was told, and stopped)
         print(f"{PROG}: the run could not start: {e.actor} failed: {e.cause.type}: {e.cause.message}",
               file=sys.stderr)

@@ -80,6 +80,7 @@ def test_two_nodes_run_the_recipe_with_engine_scheduler_buffer_and_a_trainer_ran
     assert "node 1: started engine-0" in err1 and "node 1: started trainer-1" in err1, err1[-2000:]
     assert "started trainer-0" not in err1  # rank 0 ran on node 0
     assert "node 1: started scheduler" in err1 and "node 1: started buffer" in err1
+    assert "trainer ranks on several nodes: their torch.distributed connections" in err0  # said, not hidden
     samples = [json.loads(line) for line in (tmp_path / "run" / "trace.jsonl").read_text().splitlines()]
     assert sum(r["kind"] == "sample" for r in samples) >= 3 * 2 * 4  # node 1's scheduler reported each one
     assert "node 1 stops: the run is over" in err1
@@ -307,5 +308,22 @@ def test_a_trainer_rank_on_a_node_without_the_run_folder_is_refused_naming_it(tm
     assert ("\nmiles-async launch: the run could not start: trainer-0 failed: RuntimeError: trainer rank(s) 1 (on "
             "127.0.0.2) do not see the run folder of node 0") in err0, err0[-3000:]
     assert "node 1 stops: the run stopped on node 0: SpawnError" in err1
+    for p in procs:
+        assert session_pids(p.pid) == [], "a process of the run outlived it"
+
+
+@pytest.mark.timeout(300)
+def test_disk_delta_to_a_node_without_the_run_folder_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    out, port = tmp_path / "run", free_port()
+    prefix = private_folder(tmp_path)
+    args = [*SHORT, "loop.num_steps=3", "eval.mode=none", "placement.engines=[1]", "weights.transport=disk_delta"]
+    started = time.monotonic()
+    procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args, prefix=prefix)]
+    (rc0, _, err0), (_, _, err1) = finish(procs, 120)
+    assert rc0 == 2 and time.monotonic() - started < 60, err0[-3000:]
+    assert ('miles-async launch: the run cannot start: weights.transport = "disk_delta" writes deltas into the run '
+            f"folder ({out}) for the engines to read, but node(s) [1] do not see it") in err0, err0[-3000:]
+    assert "Traceback" not in err0
+    assert "node 1 stops: the run stopped on node 0: RunSetupError" in err1
     for p in procs:
         assert session_pids(p.pid) == [], "a process of the run outlived it"
