@@ -943,19 +943,20 @@ class Controller:
 
 async def _all_or_none(*aws: Any) -> list[Any]:
     """`asyncio.gather`, except that the first failure cancels the rest (a run whose trainer cannot
-    start does not wait for its engines to load) and is raised."""
+    start does not wait for its engines to load) and is raised once they are gone."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:
         for task in tasks:
             task.cancel()
-    for task in tasks:
-        if not task.cancelled() and task.exception() is not None:
-            for other in tasks:  # retrieved: no "exception never retrieved" noise from the others
-                if other is not task and not other.cancelled():
-                    other.exception()
-            raise task.exception()
+        raise
+    failed = [t for t in tasks if t in done and not t.cancelled() and t.exception() is not None]
+    if failed:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        raise failed[0].exception()  # the others' exceptions are retrieved above: no "never retrieved" noise
     return [task.result() for task in tasks]
 
 

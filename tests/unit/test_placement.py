@@ -75,3 +75,34 @@ def test_a_rank_binds_the_interface_holding_its_node_address(monkeypatch) -> Non
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the user's choice stands
     bind_to("127.0.0.2")
     assert os.environ["GLOO_SOCKET_IFNAME"] == "lo" and os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
+
+
+def test_starting_the_processes_stops_at_the_first_failure_and_cancels_the_rest() -> None:
+    import asyncio
+
+    from miles_async.actors.controller import _all_or_none
+
+    cancelled = []
+
+    async def slow() -> None:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def fails() -> None:
+        await asyncio.sleep(0.01)
+        raise RuntimeError("trainer-0 failed to start")
+
+    async def value(x: int) -> int:
+        await asyncio.sleep(0.01 * x)
+        return x
+
+    async def main() -> list[int]:
+        with pytest.raises(RuntimeError, match="trainer-0 failed"):
+            await asyncio.wait_for(_all_or_none(slow(), fails(), value(1)), 5)
+        assert cancelled == [True]  # the engine still loading is not waited for
+        return await _all_or_none(value(3), value(1), value(2))
+
+    assert asyncio.run(main()) == [3, 1, 2]
