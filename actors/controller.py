@@ -111,9 +111,19 @@ class RunSetupError(RuntimeError):
     process starts); the message names the nodes and the fix."""
 
 
-class TrainerLostError(RuntimeError):
+class RunLostError(RuntimeError):
+    """A process the run cannot go on without died (the scheduler, the buffer or the session
+    server: e.g. their node was lost). The message names it, its node, the cause, the step, and
+    the checkpoint `--resume` continues from."""
+
+
+class TrainerLostError(RunLostError):
     """A trainer rank died or failed: the run cannot go on (the ranks train together). The message
     names the rank, its error, the step, and the checkpoint `--resume` continues from."""
+
+
+ROLES = {"scheduler": "the refill scheduler", "buffer": "the buffer", "sessions": "the session server",
+         "sample-recorder": "the sample recorder"}  # the processes a run cannot go on without
 
 
 class RunResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -261,6 +271,7 @@ class Controller:
         self.num_engines_started = 0
         self._gpus_given: dict[int, int] = {}  # per node: engines given a GPU so far
         self.rollout_rewards: list[float] = []  # of every sample finished since the last step
+        self.role_lost: asyncio.Future | None = None  # set to the death of a process the run needs
 
     # ----- setup -----
 
@@ -704,8 +715,9 @@ class Controller:
                                                              trainer_version=self.version, timeout_s=ASK_S),
                                                     timeout_s=ASK_S + 10))
         stop = asyncio.ensure_future(self.stop.wait())
+        lost = self.role_lost if self.role_lost is not None else asyncio.get_running_loop().create_future()
         waited_s = 0.0
-        while not (done := (await asyncio.wait({get, stop}, timeout=WAIT_REPORT_S,
+        while not (done := (await asyncio.wait({get, stop, lost}, timeout=WAIT_REPORT_S,
                                                 return_when=asyncio.FIRST_COMPLETED))[0]):
             waited_s += WAIT_REPORT_S
             stats = await self.buffer.ask(BufferStats(), timeout_s=ASK_S)
@@ -714,8 +726,11 @@ class Controller:
                         waited_s, stats["num_groups"], dropped,
                         " (groups whose rewards are all equal are filtered: is the reward always the same?)"
                         if stats["dropped"].get("filtered") else "")
+        stop.cancel()
+        if lost in done:
+            get.cancel()
+            lost.result()  # raises the death: the run ends with it
         if get in done:
-            stop.cancel()
             return get.result()
         get.cancel()
         return None
@@ -752,6 +767,7 @@ class Controller:
                     await self._spawn_sessions(system)
                 first_step, first_prompt, sft_steps, sft_acc = await self._resume_or_warm_start()
                 await self._spawn_rollout(system, first_prompt)
+                self.role_lost = asyncio.get_running_loop().create_future()
                 monitor = asyncio.ensure_future(self._watch_engines())
                 try:
                     rewards, samples_per_s, idle = await self._rl(first_step)
@@ -773,24 +789,31 @@ class Controller:
 
     @contextlib.asynccontextmanager
     async def _trainer_failures(self) -> Any:
-        """Turn a trainer rank's death or error into a `TrainerLostError` with the root cause. It is
-        raised after the actor system closed, so every process of the run is gone by then."""
+        """Turn a trainer rank's death or error into a `TrainerLostError` with the root cause (the
+        scheduler's, buffer's or session server's death into a `RunLostError`). It is raised after
+        the actor system closed, so every process of the run is gone by then."""
         from miles_async.runtime import ActorDeadError, RemoteError
 
         try:
             yield
         except (ActorDeadError, RemoteError) as e:
             name = e.actor
-            if not name.startswith("trainer-"):
+            role = name.startswith("trainer-") or (name in ROLES and isinstance(e, ActorDeadError))
+            if not role:
                 raise
             cause = e.cause if isinstance(e, ActorDeadError) else e.failure
             latest = checkpoint.latest(self.run_dir / "checkpoints")
             resume = (f"--resume continues from {latest}" if latest is not None else
                       "no checkpoint was saved yet (loop.checkpoint_every), so --resume starts over")
             what = "died" if isinstance(e, ActorDeadError) else "failed"
-            raise TrainerLostError(
-                f"trainer rank {name.removeprefix('trainer-')} ({name}) {what}: {cause.type}: {cause.message}; the run "
-                f"stopped at RL step {self.step} (every process of it has exited); {resume}") from e
+            tail = f"{what}: {cause.type}: {cause.message}; the run stopped at RL step {self.step} (every process of " \
+                   f"it has exited); {resume}"
+            if name.startswith("trainer-"):
+                raise TrainerLostError(f"trainer rank {name.removeprefix('trainer-')} ({name}) {tail}") from e
+            placement = self.config.placement
+            node = {"scheduler": placement.scheduler, "buffer": placement.buffer, "sessions": placement.sessions}.get(
+                name, 0)
+            raise RunLostError(f"{ROLES[name]} ({name}, on node {node}) {tail}") from e
 
     def _write_header(self) -> None:
         """The trace's first record: the schema and the run's settings (what the simulator replays with)."""
@@ -910,6 +933,7 @@ class Controller:
         assert self.scheduler is not None and self.pusher is not None
         while True:
             await asyncio.sleep(interval_s)
+            await self._watch_roles()
             for ref in list(self.engines):
                 try:
                     await ref.ask(EngineStatus(), timeout_s=30.0)
@@ -923,6 +947,22 @@ class Controller:
                     if not self.engines:
                         log.error("no engine left: stopping the run")
                         self.stop.set()
+
+    async def _watch_roles(self) -> None:
+        """A dead scheduler, buffer or session server ends the run (it cannot go on without them):
+        `role_lost` gets the death, which whatever the loop waits on then raises."""
+        from miles_async.actors.buffer import BufferStats
+        from miles_async.runtime import ActorDeadError
+
+        probes = ((self.scheduler, GetSchedulerState()), (self.buffer, BufferStats()), (self.sessions, SessionsUrl()))
+        for ref, probe in probes:
+            if ref is None or self.role_lost is None or self.role_lost.done():
+                continue
+            try:
+                await ref.ask(probe, timeout_s=30.0)
+            except ActorDeadError as e:
+                log.error("%s is gone (%s): the run cannot go on", ref.name, e)
+                self.role_lost.set_exception(e)
 
     async def _stop_all(self, system: ActorSystem) -> None:
         for ref in (self.scheduler, self.buffer, self.sessions):

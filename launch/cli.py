@@ -102,7 +102,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
 
     import msgspec
 
-    from miles_async.actors.controller import RunSetupError, TrainerLostError
+    from miles_async.actors.controller import RunLostError, RunSetupError
     from miles_async.actors.controller import run as run_loop
     from miles_async.actors.recipe import load_recipe
     from miles_async.runtime import SpawnError
@@ -126,7 +126,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     print(f"{PROG} run: {args.recipe} -> {out}", file=sys.stderr)
     try:
         result = run_async(run_loop(config, out, resume=args.resume, progress=not args.quiet))
-    except TrainerLostError as e:
+    except RunLostError as e:  # a trainer rank, the scheduler, the buffer or the session server died
         print(f"{PROG} run: {e}", file=sys.stderr)
         return 1
     except RunSetupError as e:

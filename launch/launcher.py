@@ -247,7 +247,7 @@ def runtime_config(host: str, args: Any) -> Any:
 
 def main(args: Any) -> int:
     """The `launch` verb (its arguments parsed by `miles_async.launch.cli`)."""
-    from miles_async.actors.controller import RunSetupError, TrainerLostError
+    from miles_async.actors.controller import RunLostError, RunSetupError
     from miles_async.actors.recipe import load_recipe
     from miles_async.launch.rendezvous import RendezvousError, load_secret, rendezvous
     from miles_async.runtime import SpawnError
@@ -287,7 +287,7 @@ def main(args: Any) -> int:
     except TimeoutError as e:
         print(f"{PROG}: node {args.node_rank}: {e}", file=sys.stderr)
         return 3
-    except TrainerLostError as e:
+    except RunLostError as e:  # a trainer rank, the scheduler, the buffer or the session server died
         print(f"{PROG}: {e}", file=sys.stderr)
         return 1
     except RunSetupError as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -126,6 +127,27 @@ def test_an_engine_node_killed_mid_run_does_not_stop_it(tmp_path: Path) -> None:
     assert rc0 == 0, err0[-3000:]
     assert json.loads(out0.strip().splitlines()[-1])["num_steps"] == 60
     assert "engine engine-1 is gone" in err0
+    for p in procs:
+        assert session_pids(p.pid) == [], "a process of the run outlived it"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_node_of_the_scheduler_and_buffer_killed_stops_the_run_with_the_cause(tmp_path: Path) -> None:
+    """The run cannot go on without its scheduler and buffer: their node killed, node 0 stops within
+    a bounded time naming what died and where, with the checkpoint --resume continues from."""
+    port, out = free_port(), tmp_path / "run"
+    args = [*SHORT, "loop.num_steps=100000", "loop.checkpoint_every=4", "eval.mode=none", "placement.scheduler=1",
+            "placement.buffer=1", "--heartbeat-timeout-s", "3"]
+    procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args)]
+    wait_steps(out, 6, 180, procs)
+    os.killpg(procs[1].pid, 9)
+    started = time.monotonic()
+    (rc0, _, err0), _ = finish(procs, 120)
+    assert rc0 == 1 and time.monotonic() - started < 60, err0[-3000:]
+    assert re.search(r"miles-async launch: the (refill scheduler|buffer) \((scheduler|buffer), on node 1\) died: "
+                     r".*; the run stopped at RL step \d+ \(every process of it has exited\); --resume continues from "
+                     r".*step_\d+", err0), err0[-3000:]
     for p in procs:
         assert session_pids(p.pid) == [], "a process of the run outlived it"
 
