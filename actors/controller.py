@@ -803,7 +803,7 @@ class Controller:
                 raise
             cause = e.cause if isinstance(e, ActorDeadError) else e.failure
             latest = checkpoint.latest(self.run_dir / "checkpoints")
-            resume = (f"--resume continues from {latest}" if latest is not None else
+            resume = (f"--resume continues from {latest}{_rl_step_of(latest)}" if latest is not None else
                       "no checkpoint was saved yet (loop.checkpoint_every), so --resume starts over")
             what = "died" if isinstance(e, ActorDeadError) else "failed"
             tail = f"{what}: {cause.type}: {cause.message}; the run stopped at RL step {self.step} (every process of " \
@@ -979,6 +979,14 @@ class Controller:
         print("\nmiles-async: stopping after this step (a checkpoint is saved); Ctrl-C again to quit now",
               file=sys.stderr)
         self.stop.set()
+
+
+def _rl_step_of(folder: Path) -> str:
+    """" (after RL step N)" for a checkpoint folder (named by the trainer's step, SFT steps included)."""
+    try:
+        return f" (after RL step {json.loads((folder / 'run_state.json').read_text())['rl_step']})"
+    except (OSError, ValueError, KeyError):
+        return ""
 
 
 async def _all_or_none(*aws: Any) -> list[Any]:

@@ -147,7 +147,7 @@ def test_the_node_of_the_scheduler_and_buffer_killed_stops_the_run_with_the_caus
     assert rc0 == 1 and time.monotonic() - started < 60, err0[-3000:]
     assert re.search(r"miles-async launch: the (refill scheduler|buffer) \((scheduler|buffer), on node 1\) died: "
                      r".*; the run stopped at RL step \d+ \(every process of it has exited\); --resume continues from "
-                     r".*step_\d+", err0), err0[-3000:]
+                     r".*step_\d+ \(after RL step \d+\)", err0), err0[-3000:]
     for p in procs:
         assert session_pids(p.pid) == [], "a process of the run outlived it"
 
