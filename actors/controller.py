@@ -78,7 +78,7 @@ from miles_async.actors.trainer import (
     TrainStep,
 )
 from miles_async.actors.weights import PushWeights, WeightPusher, WeightSyncConfig
-from miles_async.engine.client import EngineClient
+from miles_async.engine.client import EngineClient, bearer
 from miles_async.models import init_model, load_tokenizer
 from miles_async.observe import (
     TRACE_SCHEMA,
@@ -545,8 +545,7 @@ class Controller:
         sampling = {"temperature": temperature, "max_tokens": cfg.rollout.sampling.max_new_tokens}
         self._probe_round = getattr(self, "_probe_round", 0) + 1
         ids = [f"probe{self._probe_round}-{i}" for i in range(len(items))]
-        headers = {"Authorization": f"Bearer {self.engine_api_key}"} if self.engine_api_key else None
-        async with aiohttp.ClientSession(headers=headers) as http:  # the key: a session server off node 0
+        async with aiohttp.ClientSession(headers=bearer(self.engine_api_key)) as http:  # a session server off node 0
             episodes = await asyncio.gather(*(run_episode(agent, environment, item,
                                                           f"{self.sessions_url}/sessions/{sid}/v1", sampling=sampling,
                                                           http=http) for item, sid in zip(items, ids)))
@@ -756,7 +755,7 @@ class Controller:
                 loop.add_signal_handler(sig, self._on_signal)
         interrupted = False
         try:
-            async with self._trainer_failures(), contextlib.AsyncExitStack() as stack:
+            async with self._run_failures(), contextlib.AsyncExitStack() as stack:
                 if self.system is None:  # one node: this run's own actor system
                     self.system = await stack.enter_async_context(ActorSystem("controller", config=self.runtime))
                 system = self.system
@@ -788,7 +787,7 @@ class Controller:
                          interrupted=interrupted, resumed_from=self.resumed_from)
 
     @contextlib.asynccontextmanager
-    async def _trainer_failures(self) -> Any:
+    async def _run_failures(self) -> Any:
         """Turn a trainer rank's death or error into a `TrainerLostError` with the root cause (the
         scheduler's, buffer's or session server's death into a `RunLostError`). It is raised after
         the actor system closed, so every process of the run is gone by then."""
@@ -806,8 +805,8 @@ class Controller:
             resume = (f"--resume continues from {latest}{_rl_step_of(latest)}" if latest is not None else
                       "no checkpoint was saved yet (loop.checkpoint_every), so --resume starts over")
             what = "died" if isinstance(e, ActorDeadError) else "failed"
-            tail = f"{what}: {cause.type}: {cause.message}; the run stopped at RL step {self.step} (every process of " \
-                   f"it has exited); {resume}"
+            tail = (f"{what}: {cause.type}: {cause.message}; the run stopped at RL step {self.step} (every process "
+                    f"of it has exited); {resume}")
             if name.startswith("trainer-"):
                 raise TrainerLostError(f"trainer rank {name.removeprefix('trainer-')} ({name}) {tail}") from e
             placement = self.config.placement
@@ -860,8 +859,8 @@ class Controller:
             blind = [n.rank for n in remote if not await n.spawner.shares(self.run_dir / SHARED_FILE)]
             if blind:
                 raise RunSetupError(f'weights.transport = "disk_delta" writes deltas into the run folder ({self.run_dir}) '
-                                 f"for the engines to read, but node(s) {blind} do not see it: put it on a filesystem "
-                                 'they mount at the same path, or use "stream" (no shared folder needed)')
+                                    f"for the engines to read, but node(s) {blind} do not see it: put it on a "
+                                    'filesystem they mount at the same path, or use "stream" (no shared folder needed)')
         trainer_nodes = set(cfg.placement.trainer_nodes(cfg.trainer.world_size))
         if len(trainer_nodes) > 1 or (cfg.weights.transport == "broadcast" and remote):
             what = "trainer ranks on several nodes" if len(trainer_nodes) > 1 else "weights by broadcast to other nodes"

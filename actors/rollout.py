@@ -33,7 +33,7 @@ import aiohttp
 import msgspec
 
 from miles_async.actors.engine import Generate
-from miles_async.engine.client import EngineClient, EngineHTTPError
+from miles_async.engine.client import EngineClient, EngineHTTPError, bearer
 from miles_async.engine.request import GenerateRequest
 from miles_async.engine.sampling import SamplingParams
 from miles_async.runtime import Actor, ActorError, ActorRef, Message, handler
@@ -233,7 +233,7 @@ class RolloutWorker(Actor):
         sampling = {"temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_new_tokens}
         if self.agent_http is None:
             self.agent_http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                                                    headers=_bearer(self.api_key))  # a session server off node 0
+                                                    headers=bearer(self.api_key))  # a session server off node 0
         http = self.agent_http
         try:
             episode = await self.rollout_fn(self.agent, environment, msg.task,
@@ -294,7 +294,3 @@ class RolloutWorker(Actor):
         return SampleOut(**fields, output_ids=output_ids, output_logprobs=logprobs, output_text=text,
                          finish_reason=finish, versions=versions, reward=reward, end_s=time.time(), error=error,
                          routed_experts=experts)
-
-
-def _bearer(api_key: str | None) -> dict[str, str] | None:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else None

@@ -41,13 +41,18 @@ class EngineHTTPError(RuntimeError):
         self.path = path
 
 
+def bearer(api_key: str | None) -> dict[str, str] | None:
+    """The HTTP headers that carry `api_key` (None without one): the engines' and session server's."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else None
+
+
 class EngineClient:
     """One connection pool to one engine; use as an async context manager (or call close())."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
                  max_connections: int = 1024, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._headers = bearer(api_key)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
