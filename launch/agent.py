@@ -17,9 +17,11 @@ node stops answering (so a dead controller leaves no orphan behind on any node).
 the same `spawn(cls, name, args=..., kwargs=...)` as `LocalSpawner` is for its own.
 
 Nodes need not share a filesystem for their engines: before starting one, the controller has the
-agent check the model folder (`ensure_folder`: each file's size and SHA-256), and sends the files
-the node lacks or holds otherwise, in chunks over the same authenticated mailboxes, written to the
-same path there (a folder on a shared filesystem is found complete, and nothing is sent).
+agent check the model folder (`ensure_folder`: each file's size and modification time, rsync's
+quick check), and sends the files the node lacks or holds otherwise, in chunks over the same
+authenticated mailboxes, each checked by its SHA-256 on arrival and given its source's time,
+written to the same path there (a folder on a shared filesystem, or copied before, passes the
+check without a byte read, and nothing is sent).
 """
 
 from __future__ import annotations
@@ -100,26 +102,29 @@ class ShutdownNode(Message):
 CHUNK_BYTES = 8 << 20  # a file travels in pieces of this size (well under the runtime's message limit)
 
 
-class FileDigest(msgspec.Struct, frozen=True, kw_only=True):
+class FileStat(msgspec.Struct, frozen=True, kw_only=True):
     name: str  # relative to the folder, "/"-separated
     size: int
-    sha256: str
+    mtime_ns: int
+    sha256: str = ""  # set on a file being sent (checked on arrival), or to compare contents too
 
 
 class MissingFiles(Message):
-    """Which of these files this node lacks in `folder` (absent, or of another size or digest)."""
+    """Which of these files this node lacks in `folder`: absent, or of another size or modification
+    time (rsync's quick check: a shared filesystem or an earlier copy passes it without reading a
+    byte), or of another SHA-256 where one is given."""
 
     folder: str
-    files: list[FileDigest]
+    files: list[FileStat]
     Reply: ClassVar[Any] = list[str]
 
 
 class PutFile(Message):
-    """A piece of a file for `folder` on this node; the last piece checks the digest and puts the
-    whole file in place (until then it is a hidden partial file)."""
+    """A piece of a file for `folder` on this node; the last piece checks the SHA-256, gives the file
+    its source's modification time and puts it in place (until then it is a hidden partial file)."""
 
     folder: str
-    file: FileDigest
+    file: FileStat
     offset: int
     data: bytes
     Reply: ClassVar[Any] = None
@@ -133,15 +138,16 @@ def _sha256(path: Path) -> str:
     return sha.hexdigest()
 
 
-def digest_folder(folder: str | Path) -> list[FileDigest]:
-    """Size and SHA-256 of every file under `folder` (hidden ones left out)."""
+def _stat(path: Path, name: str, sha256: bool = False) -> FileStat:
+    st = path.stat()
+    return FileStat(name=name, size=st.st_size, mtime_ns=st.st_mtime_ns, sha256=_sha256(path) if sha256 else "")
+
+
+def list_folder(folder: str | Path) -> list[FileStat]:
+    """Every file under `folder` (hidden ones left out), with its size and modification time."""
     root = Path(folder)
-    out = []
-    for path in sorted(root.rglob("*")):
-        name = path.relative_to(root).as_posix()
-        if path.is_file() and not any(part.startswith(".") for part in name.split("/")):
-            out.append(FileDigest(name=name, size=path.stat().st_size, sha256=_sha256(path)))
-    return out
+    return [_stat(path, path.relative_to(root).as_posix()) for path in sorted(root.rglob("*"))
+            if path.is_file() and not any(part.startswith(".") for part in path.relative_to(root).parts)]
 
 
 def _local_path(folder: str, name: str) -> Path:
@@ -157,11 +163,16 @@ def _read_at(path: Path, offset: int) -> bytes:
         return f.read(CHUNK_BYTES)
 
 
-def _holds(path: Path, file: FileDigest) -> bool:
-    return path.is_file() and path.stat().st_size == file.size and _sha256(path) == file.sha256
+def _holds(path: Path, file: FileStat) -> bool:
+    if not path.is_file():
+        return False
+    st = path.stat()
+    if st.st_size != file.size or st.st_mtime_ns != file.mtime_ns:
+        return False
+    return not file.sha256 or _sha256(path) == file.sha256
 
 
-def _put(folder: str, file: FileDigest, offset: int, data: bytes) -> None:
+def _put(folder: str, file: FileStat, offset: int, data: bytes) -> None:
     path = _local_path(folder, file.name)
     part = path.with_name(f".part-{path.name}")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -170,9 +181,10 @@ def _put(folder: str, file: FileDigest, offset: int, data: bytes) -> None:
         f.write(data)
     if offset + len(data) < file.size:
         return
-    if not _holds(part, file):
+    if part.stat().st_size != file.size or _sha256(part) != file.sha256:
         part.unlink(missing_ok=True)
         raise ValueError(f"{path}: the received file does not match its size or SHA-256 (sent again, it may pass)")
+    os.utime(part, ns=(file.mtime_ns, file.mtime_ns))
     part.replace(path)
 
 
@@ -295,19 +307,20 @@ class RemoteSpawner:
     async def shares(self, path: str | Path) -> bool:
         """Whether the node sees the file at `path` as this one does (a shared filesystem)."""
         path = Path(path).resolve()
-        file = FileDigest(name=path.name, size=path.stat().st_size, sha256=await asyncio.to_thread(_sha256, path))
+        file = await asyncio.to_thread(_stat, path, path.name, True)
         missing = await self.agent.ask(MissingFiles(folder=str(path.parent), files=[file]), timeout_s=self.timeout_s)
         return not missing
 
     async def ensure_folder(self, folder: str | Path, dest: str | Path | None = None) -> int:
         """Make the node hold `folder` as this one does, at the same path or at `dest` there (module
-        docstring); returns the bytes sent."""
+        docstring); returns the bytes sent. Only the files sent are read whole (to hash them)."""
         folder = str(Path(folder).resolve())
         there = str(dest or folder)
-        files = await asyncio.to_thread(digest_folder, folder)
+        files = await asyncio.to_thread(list_folder, folder)
         lacking = set(await self.agent.ask(MissingFiles(folder=there, files=files), timeout_s=self.timeout_s))
         sent = 0
         for file in (f for f in files if f.name in lacking):
+            file = msgspec.structs.replace(file, sha256=await asyncio.to_thread(_sha256, Path(folder) / file.name))
             offset = 0
             while True:
                 data = await asyncio.to_thread(_read_at, Path(folder) / file.name, offset)
