@@ -194,9 +194,6 @@ def test_ranks_that_do_not_see_the_run_folder_fail_together_naming_themselves(mo
             with pytest.raises(SpawnError, match=r"trainer rank\(s\) 0 \(on 127.0.0.1\), 1 \(on 127.0.0.1\) do not "
                                                  r"see the run folder of node 0"):
                 await TrainerGroup.spawn(system, cfg, 2, name="blind", placement=placement)
-            token_file.write_text("this run")  # the same file seen by every rank: they start
-            group = await TrainerGroup.spawn(system, cfg, 2, name="seeing", placement=placement)
-            assert (await train(group, 1))[0].weight_version == 1
-            await group.stop()
+            # ranks that see it start: every run does (the controller always sets the token), e.g. tests/e2e
 
     scenario(main, TIMEOUT_S)

@@ -118,14 +118,14 @@ def test_an_engine_node_killed_mid_run_does_not_stop_it(tmp_path: Path) -> None:
     engine lost after the heartbeat timeout, the push in flight goes on to the other engine, the
     in-flight samples go there too, and the run finishes; nothing of node 1 is left behind."""
     port = free_port()
-    args = [*SHORT, "loop.num_steps=60", "eval.mode=none", "rollout.num_engines=2", "placement.engines=[0,1]",
+    args = [*SHORT, "loop.num_steps=30", "eval.mode=none", "rollout.num_engines=2", "placement.engines=[0,1]",
             "weights.transport=broadcast", "--heartbeat-timeout-s", "3"]
     procs = [launcher(0, 2, port, tmp_path / "run", *args), launcher(1, 2, port, tmp_path / "run", *args)]
-    wait_steps(tmp_path / "run", 10, 180, procs)
+    wait_steps(tmp_path / "run", 4, 180, procs)
     os.killpg(procs[1].pid, 9)
     (rc0, out0, err0), _ = finish(procs, 200)
     assert rc0 == 0, err0[-3000:]
-    assert json.loads(out0.strip().splitlines()[-1])["num_steps"] == 60
+    assert json.loads(out0.strip().splitlines()[-1])["num_steps"] == 30
     assert "engine engine-1 is gone" in err0
     for p in procs:
         assert session_pids(p.pid) == [], "a process of the run outlived it"
@@ -231,7 +231,7 @@ def test_a_node_added_to_a_running_job_serves_after_receiving_the_weights(tmp_pa
     args = [*SHORT, "loop.num_steps=100000", "eval.mode=none", "placement.engines=[1]", "weights.transport=broadcast",
             "--heartbeat-timeout-s", "3"]
     procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args)]
-    wait_steps(out, 10, 180, procs)
+    wait_steps(out, 4, 180, procs)
     procs.append(launcher(2, 3, port, out, *args))  # elastic: a third node, not in the first rendezvous
     wait_engine(out, "engine-1", 180, procs)
     stop_run(procs[0])
@@ -250,7 +250,7 @@ def test_a_lost_node_that_comes_back_rejoins_with_the_current_weights(tmp_path: 
     args = [*SHORT, "loop.num_steps=100000", "eval.mode=none", "rollout.num_engines=2", "placement.engines=[0,1]",
             "weights.transport=broadcast", "--heartbeat-timeout-s", "3"]
     procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args)]
-    wait_steps(out, 10, 180, procs)
+    wait_steps(out, 4, 180, procs)
     os.killpg(procs[1].pid, 9)
     time.sleep(4.5)  # past the heartbeat timeout: node 0 has declared it lost
     back = launcher(1, 2, port, out, *args)
@@ -275,7 +275,7 @@ def test_an_engine_node_cut_off_and_back_rejoins_with_the_current_weights(tmp_pa
     args = [*SHORT, "loop.num_steps=100000", "eval.mode=none", "rollout.num_engines=2", "placement.engines=[0,1]",
             "weights.transport=broadcast", "--heartbeat-timeout-s", "3"]
     procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args)]
-    wait_steps(out, 10, 180, procs)
+    wait_steps(out, 4, 180, procs)
     os.killpg(procs[1].pid, 19)  # SIGSTOP
     time.sleep(6)
     os.killpg(procs[1].pid, 18)  # SIGCONT

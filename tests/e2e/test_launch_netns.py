@@ -86,7 +86,7 @@ def test_node_1_in_its_own_namespace_survives_its_link_going_down(tmp_path: Path
     out = tmp_path / "run"
     port = 29400 + os.getpid() % 500
     procs = [launcher(0, port, out, namespace, *ARGS), launcher(1, port, out, namespace, *ARGS)]
-    wait_steps(out, 10, 180, procs)
+    wait_steps(out, 4, 180, procs)
     host_end = namespace[1]
     ip("link", "set", host_end, "down")  # node 1 is cut off
     time.sleep(6)
