@@ -321,13 +321,17 @@ class Controller:
             temperature=s.temperature if s.temperature > 0 else 1.0)
 
     def _trainer_placement(self) -> list[RankPlacement]:
-        """Each trainer rank's node (spawner, LOCAL_RANK there, address): `placement.trainer`."""
+        """Each trainer rank's node (spawner, LOCAL_RANK there, address): `placement.trainer`. Ranks
+        all on one node of a multi-node run keep their process group on loopback (torch.distributed's
+        sockets have no authentication: off loopback only when the ranks span nodes)."""
         assert self.nodes is not None
+        placed = self.config.placement.trainer_nodes(self.config.trainer.world_size)
+        one_node = len(set(placed)) == 1
         ranks, per_node = [], {}
-        for node_rank in self.config.placement.trainer_nodes(self.config.trainer.world_size):
+        for node_rank in placed:
             node = self.nodes[node_rank]
-            ranks.append(RankPlacement(spawner=node.spawner, local_rank=per_node.get(node_rank, 0),
-                                       host=node.host if len(self.nodes) > 1 else ""))
+            host = "" if len(self.nodes) == 1 else "127.0.0.1" if one_node else node.host
+            ranks.append(RankPlacement(spawner=node.spawner, local_rank=per_node.get(node_rank, 0), host=host))
             per_node[node_rank] = per_node.get(node_rank, 0) + 1
         return ranks
 
@@ -355,8 +359,8 @@ class Controller:
         ranks = self._trainer_placement()
         master = nodes[cfg.placement.trainer_nodes(cfg.trainer.world_size)[0]]
         trainer_spawn = TrainerGroup.spawn(system, self._trainer_config(), cfg.trainer.world_size,
-                                           master_addr=master.host, master_port=await master.spawner.free_port(),
-                                           placement=ranks)
+                                           master_addr=ranks[0].host or master.host,
+                                           master_port=await master.spawner.free_port(), placement=ranks)
         *engines, self.trainer = await _all_or_none(*spawns, trainer_spawn)
         if cfg.eval.mode == "dedicated":
             self.eval_engine = engines.pop()

@@ -61,8 +61,12 @@ def test_trainer_ranks_spread_over_nodes_get_their_local_rank_address_and_gpus(t
         ("spawner-1", 0, "10.0.0.2"), ("spawner-0", 0, "10.0.0.1"), ("spawner-1", 1, "10.0.0.2")]
     assert controller._gpu_env(nodes[1]) == {"CUDA_VISIBLE_DEVICES": "2"}  # after ranks 0 and 2 (GPUs 0, 1)
     assert controller._gpu_env(nodes[0]) == {"CUDA_VISIBLE_DEVICES": "1"}
-    one = load_recipe(None, ["trainer.world_size=2"]).placement  # one number: every rank there
-    assert one.trainer_nodes(2) == [0, 0]
+    one = load_recipe(None, ["trainer.world_size=2", "placement.trainer=1"])  # one number: every rank there
+    assert one.placement.trainer_nodes(2) == [1, 1]
+    ranks = Controller(one, tmp_path, nodes=nodes)._trainer_placement()
+    # all on one node: their process group stays on that node's loopback (no unauthenticated socket outside)
+    assert [(r.spawner, r.local_rank, r.host) for r in ranks] == [("spawner-1", 0, "127.0.0.1"),
+                                                                   ("spawner-1", 1, "127.0.0.1")]
 
 
 def test_a_rank_binds_the_interface_holding_its_node_address(monkeypatch) -> None:
