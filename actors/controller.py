@@ -396,6 +396,11 @@ class Controller:
         kwargs: dict[str, Any] = {"workers": workers, "buffer": "buffer", "seed": loop.seed if r.seeded else None,
                                   "trainer_version": self.version, "first_prompt": first_prompt,
                                   "routed_experts": self.is_moe}
+        if cfg.placement.scheduler != 0:  # it reports each finished sample to a recorder here, for the trace
+            await system.spawn(SampleRecorder, "sample-recorder", args=(self._trace_sample,))
+            kwargs["sample_sink"] = "sample-recorder"
+        else:
+            kwargs["on_sample"] = self._trace_sample
         self.scheduler = await self._place(system, cfg.placement.scheduler, RefillScheduler, "scheduler",
                                            (refill, self.dataset, r.sampling), kwargs)
         self.buffer = await self._place(system, cfg.placement.buffer, Buffer, "buffer", (buffer_cfg, "scheduler"), {})
@@ -406,15 +411,10 @@ class Controller:
 
     async def _place(self, system: ActorSystem, node_rank: int, cls: type, name: str, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> ActorRef:
-        """The scheduler or buffer: in this process on node 0, a process of its own on another node
-        (the scheduler then reports each finished sample to a recorder actor here)."""
+        """A role of `[placement]` (scheduler, buffer, session server): in this process on node 0, a
+        process of its own on another node."""
         assert self.nodes is not None
-        remote = node_rank != 0
-        if cls is RefillScheduler:
-            if remote:
-                await system.spawn(SampleRecorder, "sample-recorder", args=(self._trace_sample,))
-            kwargs = kwargs | ({"sample_sink": "sample-recorder"} if remote else {"on_sample": self._trace_sample})
-        if not remote:
+        if node_rank == 0:
             return await system.spawn(cls, name, args=args, kwargs=kwargs)
         return await self.nodes[node_rank].spawner.spawn(cls, name, args=args, kwargs=kwargs)
 
@@ -424,14 +424,11 @@ class Controller:
         assert self.nodes is not None
         node = self.nodes[self.config.placement.sessions]
         urls = [self.engine_urls[e.name] for e in self.engines]
-        if node.rank == 0:
-            self.sessions = await system.spawn(SessionHost, "sessions", args=(urls, str(self.model_dir)),
-                                               kwargs={"engine_api_key": self.engine_api_key})
-        else:
+        kwargs: dict[str, Any] = {"engine_api_key": self.engine_api_key}
+        if node.rank != 0:
             await self._give_model(node)
-            self.sessions = await node.spawner.spawn(
-                SessionHost, "sessions", args=(urls, str(self.model_dir)),
-                kwargs={"host": node.host, "api_key": self.engine_api_key, "engine_api_key": self.engine_api_key})
+            kwargs |= {"host": node.host, "api_key": self.engine_api_key}
+        self.sessions = await self._place(system, node.rank, SessionHost, "sessions", (urls, str(self.model_dir)), kwargs)
         self.sessions_url = await self.sessions.ask(SessionsUrl(), timeout_s=ASK_S)
 
     def _trace_sample(self, sample: SampleOut, counted: bool) -> None:
