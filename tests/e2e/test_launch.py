@@ -317,35 +317,37 @@ def private_folder(folder: Path) -> tuple[str, ...]:
     return prefix
 
 
-@pytest.mark.timeout(300)
-def test_a_trainer_rank_on_a_node_without_the_run_folder_is_refused_naming_it(tmp_path: Path) -> None:
+def refused_without_the_run_folder(tmp_path: Path, *overrides: str) -> tuple[int, str, str, float]:
+    """Launch two nodes, node 1 without node 0's filesystem, a run that needs it shared: (node 0's exit
+    status, node 0's and node 1's stderr, seconds taken); no process of either is left."""
     out, port = tmp_path / "run", free_port()
     prefix = private_folder(tmp_path)
-    args = [*SHORT, "loop.num_steps=3", "eval.mode=none", "trainer.world_size=2", "placement.trainer=[0,1]"]
+    args = [*SHORT, "loop.num_steps=3", "eval.mode=none", *overrides]
     started = time.monotonic()
     procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args, prefix=prefix)]
-    (rc0, _, err0), (_, _, err1) = finish(procs, 240)
-    assert rc0 != 0 and time.monotonic() - started < 120
+    (rc0, _, err0), (_, _, err1) = finish(procs, 120)
+    for p in procs:
+        assert session_pids(p.pid) == [], "a process of the run outlived it"
+    return rc0, err0, err1, time.monotonic() - started
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_rank_on_a_node_without_the_run_folder_is_refused_naming_it(tmp_path: Path) -> None:
+    rc0, err0, err1, seconds = refused_without_the_run_folder(tmp_path, "trainer.world_size=2",
+                                                              "placement.trainer=[0,1]")
+    assert rc0 == 1 and seconds < 120, err0[-3000:]
     # the launcher's own word: the cause, not a traceback (the failed process logs its own)
     assert ("\nmiles-async launch: the run could not start: trainer-0 failed: RuntimeError: trainer rank(s) 1 (on "
             "127.0.0.2) do not see the run folder of node 0") in err0, err0[-3000:]
     assert "node 1 stops: the run stopped on node 0: SpawnError" in err1
-    for p in procs:
-        assert session_pids(p.pid) == [], "a process of the run outlived it"
 
 
 @pytest.mark.timeout(300)
 def test_disk_delta_to_a_node_without_the_run_folder_is_refused_before_anything_starts(tmp_path: Path) -> None:
-    out, port = tmp_path / "run", free_port()
-    prefix = private_folder(tmp_path)
-    args = [*SHORT, "loop.num_steps=3", "eval.mode=none", "placement.engines=[1]", "weights.transport=disk_delta"]
-    started = time.monotonic()
-    procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args, prefix=prefix)]
-    (rc0, _, err0), (_, _, err1) = finish(procs, 120)
-    assert rc0 == 2 and time.monotonic() - started < 60, err0[-3000:]
+    rc0, err0, err1, seconds = refused_without_the_run_folder(tmp_path, "placement.engines=[1]",
+                                                              "weights.transport=disk_delta")
+    assert rc0 == 2 and seconds < 60, err0[-3000:]
     assert ('miles-async launch: the run cannot start: weights.transport = "disk_delta" writes deltas into the run '
-            f"folder ({out}) for the engines to read, but node(s) [1] do not see it") in err0, err0[-3000:]
+            f"folder ({tmp_path / 'run'}) for the engines to read, but node(s) [1] do not see it") in err0, err0[-3000:]
     assert "Traceback" not in err0
     assert "node 1 stops: the run stopped on node 0: RunSetupError" in err1
-    for p in procs:
-        assert session_pids(p.pid) == [], "a process of the run outlived it"
