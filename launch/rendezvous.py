@@ -24,11 +24,12 @@ Node 0 hosts the store (`TCPStore(A, P, is_master=True)`, as torchrun does), the
    secret and run id) and raises; every other node raises "node R: the run was aborted by
    node 0: <reason>" (and counts itself in `ack`: node 0 keeps the store up for at most 3 s
    after its verdict, until all that arrived have read it);
-4. when all N verify, node 0 writes `keys` = seal(JSON `{run_id, public, secret, nodes}`): the
-   two key files' bytes and the node list, encrypted and authenticated (below), then `go`.
-   Every node opens `keys`, checks that the run id in it is the run's, writes the key files
-   into its `key_dir`, counts itself in `ack` and returns; node 0 returns once all have (or
-   after 3 s, with a warning).
+4. when all N verify, node 0 writes, for each node R > 0, `keys/R` = seal(JSON `{run_id,
+   public, secret, nodes}`) for (run id, R, "keys"): the two key files' bytes and the node
+   list, encrypted and authenticated for that node (below), then `go`. Every node opens its
+   `keys/R`, checks that the run id in it is the run's, writes the key files into its
+   `key_dir`, counts itself in `ack` and returns; node 0 returns once all have (or after 3 s,
+   with a warning).
 
 Late joins (after `go`)
 -----------------------
@@ -50,9 +51,9 @@ initial rendezvous). Joining:
    that the version equals node 0's, then asks `accept(info)`: the launcher's policy (None
    admits the node; a string refuses it, with that reason: "node 1 is still in the run").
    Admitted: node 0 writes `join/S/keys` = seal(JSON `{run_id, public, secret, nodes}`), the
-   same payload as `keys`, with the current node list, the joiner included (a rank that
-   rejoins replaces its old entry), sealed for "run_id/join/S" so that an answer cannot be
-   moved to another request. Refused or not verified: `join/S/abort` = `{reason, tag}`, the
+   same payload as `keys/R`, with the current node list, the joiner included (a rank that
+   rejoins replaces its old entry), sealed for (run id, R, "join/S") so that an answer cannot be
+   moved to another request or node. Refused or not verified: `join/S/abort` = `{reason, tag}`, the
    tag an HMAC of the reason for "run_id/join/S"; the joiner raises "node 0 refused node R's
    join: <reason>";
 3. the joiner waits for its answer within `timeout_s`; without one it writes `join/S/gone`
@@ -70,14 +71,43 @@ A join request is never an abort of the run: a refusal or a bad proof refuses th
 node 0 serves the next. Sequence numbers that never get an arrival (a launcher that died
 between the two writes) are refused after 5 s, so they do not hold up the requests behind them.
 
-Encryption (`seal` / `unseal`, standard library only): a PRF in counter mode, then
-encrypt-then-MAC. Per message a random 16-byte nonce; `enc_key = HMAC-SHA256(secret,
-b"miles-async enc" + nonce)`, `mac_key = HMAC-SHA256(secret, b"miles-async mac" + nonce)`;
-keystream block i = `HMAC-SHA256(enc_key, i as 8 bytes big-endian)`; ciphertext = plaintext
-XOR keystream; `tag = HMAC-SHA256(mac_key, nonce + run_id + ciphertext)`, checked with
-`hmac.compare_digest` before anything is decrypted. The sealed blob is `nonce + ciphertext +
-tag`. HMAC-SHA256 is a PRF, so the keystream is indistinguishable from random for anyone
-without the secret, and a fresh nonce per message means a keystream is never reused.
+Encryption (`seal` / `unseal`)
+------------------------------
+ChaCha20-Poly1305, the AEAD of RFC 8439, from the `cryptography` package (backed by
+OpenSSL), under a key derived from the secret with HKDF-SHA256 (RFC 5869):
+
+* `key = HKDF(secret, salt=b"miles-async/rendezvous/seal/v1", info=JSON ["seal key", run_id])`,
+  one key per run;
+* per message, a fresh random 12-byte nonce (`secrets.token_bytes`);
+* the associated data names what the message is for: `b"miles-async/rendezvous/seal/v1|" +
+  JSON [run_id, rank, purpose]`, with rank the node it is for and purpose `"keys"` (the initial
+  rendezvous) or `"join/S"` (the answer to join request S);
+* the sealed blob is msgpack `{format, key_id, run_id, rank, purpose, nonce, box}`: `box` is
+  the ciphertext and its 16-byte tag; the other fields are in clear, and serve only to name
+  the cause of a refusal ("sealed under another secret", "sealed for node 1, not node 2");
+  `key_id` is 8 bytes of HKDF of the secret under another info, a name for it. `unseal` opens
+  the box with the context it expects, never with the one the blob states, so an attacker who
+  edits those fields gets a tag that fails, not a message accepted for another node.
+
+Why this is sound, against an attacker who can read and write the TCPStore but does not know
+the secret: ChaCha20-Poly1305 keeps the plaintext secret and makes any change to the nonce, the
+ciphertext, the tag or the associated data fail the tag check (IND-CCA and INT-CTXT), provided
+that the key is unknown to the attacker and a nonce is never reused under one key. HKDF of a
+high-entropy secret is a pseudorandom key (HKDF is not a password hash: the secret must be
+random, as `MAKE_SECRET` makes it); 96-bit random nonces under a key that seals a handful of
+messages (one per node, one per join) repeat with probability about n^2 / 2^97. The associated
+data makes each blob hold only where node 0 put it: a blob copied from `keys/1` to `keys/2`,
+from one join request to another, from a join to the initial rendezvous or from another run
+fails to open. What it cannot stop is the deletion or overwriting of a blob (denial of service,
+below). The proofs and the abort tags are HMAC-SHA256 (standard library `hmac`), a MAC used as
+a MAC, checked with `hmac.compare_digest`.
+
+Why not derive the keypair on every node from the secret and run id (HKDF), so that no keys
+travel: the nodes still need the node list (the addresses they go on to connect to) from node
+0, authenticated, so an authenticated message is needed anyway; and shipping keeps one source
+of CURVE keys for the runtime, a fresh keypair from libzmq's generator
+(`security.generate_run_keys`), rather than a second, seed-derived path. Why ChaCha20-Poly1305
+rather than AES-GCM: equally standard, constant-time in software on any CPU.
 
 Security argument
 -----------------
@@ -86,13 +116,14 @@ only on A): anyone who can reach A:P can read and write every key. So nothing in
 for what it says, only for what it proves:
 
 * the run's CURVE keys travel only sealed under the shared secret: reading the store gives an
-  attacker ciphertext, and a forged or altered `keys` fails its tag, so a node never installs
-  keys that node 0 did not send (it fails: "the keys from node 0 do not verify");
+  attacker ciphertext, and a forged, altered or moved `keys/R` fails its tag, so a node never
+  installs keys that node 0 did not send it (it fails: "the keys from node 0 do not verify:
+  <why>");
 * a launcher without the secret cannot produce a proof that verifies, so node 0 refuses it
   (and aborts the run rather than hand out keys); proofs bind the run id, so a proof seen in
   one run is worthless in another; the node list is inside the sealed payload, so the
   addresses the nodes go on to connect to are node 0's, not an attacker's;
-* joins get the same treatment: the keys for a join are sealed for that request, the
+* joins get the same treatment: the keys for a join are sealed for that request and node, the
   refusals are tagged, and a join proof binds the run, the request and the whole NodeInfo;
 * what such an attacker CAN still do is deny service: write `abort`, garbage in `node/R`,
   `claim/R` or `dup/R`, or `run_id` before node 0 does, and the rendezvous fails (bounded by
@@ -138,6 +169,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 import miles_async
 from miles_async.runtime import security
@@ -151,8 +186,11 @@ SECRET_ENV = "MILES_ASYNC_SECRET"
 MIN_SECRET_BYTES = 16
 MAKE_SECRET = 'python -c "import secrets; print(secrets.token_hex(32))" > secret'
 PREFIX = "rdzv/"
-NONCE_BYTES = 16
-TAG_BYTES = 32
+# The sealed messages (see "Encryption"): their format, and the sizes of their nonce and key id.
+SEAL_FORMAT = 1
+SEAL_LABEL = b"miles-async/rendezvous/seal/v1"
+NONCE_BYTES = 12  # ChaCha20-Poly1305's
+KEY_ID_BYTES = 8
 POLL_S = 0.02
 # How much longer than timeout_s a non-zero node waits for node 0's verdict (node 0 may have
 # started a little later, and verifying and sealing take a moment).
@@ -174,6 +212,16 @@ class RendezvousError(RuntimeError):
 
 class _DuplicateClaim(RendezvousError):
     """A second launcher claimed a rank during the initial rendezvous."""
+
+
+class SealError(ValueError):
+    """A sealed message that does not open; the message says why, and `cause` names it:
+    "malformed" (not a sealed message of this format), "secret" (sealed under another secret),
+    "context" (sealed for another run, node or purpose) or "altered" (its tag does not verify)."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -208,6 +256,22 @@ class _Meta(msgspec.Struct, frozen=True, kw_only=True):
 class _Abort(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     tag: str
+
+
+class _Sealed(msgspec.Struct, frozen=True, kw_only=True):
+    """A sealed message as it sits in the store. Only `nonce` and `box` are cryptographic; the
+    rest is in clear to name the cause of a refusal, and trusted for nothing else."""
+
+    format: int
+    key_id: bytes  # a name for the secret that sealed it (see _key_id)
+    run_id: str
+    rank: int  # the node it is for
+    purpose: str  # "keys", or "join/S"
+    nonce: bytes
+    box: bytes  # the ciphertext, then its 16-byte Poly1305 tag
+
+
+_SEALED = msgspec.msgpack.Decoder(_Sealed)
 
 
 class _Payload(msgspec.Struct, frozen=True, kw_only=True):
@@ -254,41 +318,74 @@ def load_secret(secret_file: str | None = None, env: Mapping[str, str] = os.envi
 
 
 # ---------------------------------------------------------------------------------------------
-# the cipher: a PRF (HMAC-SHA256) in counter mode, encrypt-then-MAC
+# the cipher: ChaCha20-Poly1305 under a key derived from the secret by HKDF-SHA256
 
 
-def _hmac(key: bytes, data: bytes) -> bytes:
-    return hmac.new(key, data, hashlib.sha256).digest()
+def _hkdf(secret: bytes, info: list[str], length: int) -> bytes:
+    kdf = HKDF(algorithm=hashes.SHA256(), length=length, salt=SEAL_LABEL, info=msgspec.json.encode(info))
+    return kdf.derive(secret)
 
 
-def _keystream_xor(enc_key: bytes, data: bytes) -> bytes:
-    stream = b"".join(_hmac(enc_key, i.to_bytes(8, "big")) for i in range((len(data) + 31) // 32))
-    return (int.from_bytes(data, "big") ^ int.from_bytes(stream[: len(data)], "big")).to_bytes(
-        len(data), "big")
+def _seal_key(secret: bytes, run_id: str) -> bytes:
+    return _hkdf(secret, ["seal key", run_id], 32)
 
 
-def _keys(secret: bytes, nonce: bytes) -> tuple[bytes, bytes]:
-    return _hmac(secret, b"miles-async enc" + nonce), _hmac(secret, b"miles-async mac" + nonce)
+def _key_id(secret: bytes) -> bytes:
+    # Public: it only lets a node tell "another secret" from "altered". It exposes no more than
+    # the proofs in the store already do (a value an offline guess of the secret can be checked on).
+    return _hkdf(secret, ["key id"], KEY_ID_BYTES)
 
 
-def seal(secret: bytes, run_id: str, plaintext: bytes) -> bytes:
-    """Encrypt and authenticate `plaintext` for `run_id`: returns nonce + ciphertext + tag."""
+def _associated_data(run_id: str, rank: int, purpose: str) -> bytes:
+    return SEAL_LABEL + b"|" + msgspec.json.encode([run_id, rank, purpose])
+
+
+def seal(secret: bytes, plaintext: bytes, *, run_id: str, rank: int, purpose: str) -> bytes:
+    """Encrypt and authenticate `plaintext` for node `rank` of run `run_id`, for `purpose`.
+
+    Only `unseal` with the same secret, run id, rank and purpose opens it (see "Encryption").
+    """
     nonce = _secrets.token_bytes(NONCE_BYTES)
-    enc_key, mac_key = _keys(secret, nonce)
-    ciphertext = _keystream_xor(enc_key, plaintext)
-    tag = _hmac(mac_key, nonce + run_id.encode() + ciphertext)
-    return nonce + ciphertext + tag
+    box = ChaCha20Poly1305(_seal_key(secret, run_id)).encrypt(
+        nonce, plaintext, _associated_data(run_id, rank, purpose))
+    return msgspec.msgpack.encode(_Sealed(format=SEAL_FORMAT, key_id=_key_id(secret), run_id=run_id,
+                                          rank=rank, purpose=purpose, nonce=nonce, box=box))
 
 
-def unseal(secret: bytes, run_id: str, blob: bytes) -> bytes:
-    """The plaintext of a `seal`ed blob; ValueError if it was not sealed with `secret` for `run_id`."""
-    if len(blob) < NONCE_BYTES + TAG_BYTES:
-        raise ValueError(f"a sealed message is at least {NONCE_BYTES + TAG_BYTES} bytes, got {len(blob)}")
-    nonce, ciphertext, tag = blob[:NONCE_BYTES], blob[NONCE_BYTES:-TAG_BYTES], blob[-TAG_BYTES:]
-    enc_key, mac_key = _keys(secret, nonce)
-    if not hmac.compare_digest(tag, _hmac(mac_key, nonce + run_id.encode() + ciphertext)):
-        raise ValueError("the message does not verify (another secret, another run, or altered)")
-    return _keystream_xor(enc_key, ciphertext)
+def unseal(secret: bytes, blob: bytes, *, run_id: str, rank: int, purpose: str) -> bytes:
+    """The plaintext of a blob `seal`ed with `secret` for (`run_id`, `rank`, `purpose`).
+
+    SealError otherwise, naming the cause: not a sealed message, sealed under another secret,
+    sealed for another run, node or purpose, or altered. The fields a blob states in clear only
+    choose the message: the box is opened with the context given here, so a blob whose clear
+    fields were edited to pass the checks fails as "altered".
+    """
+    try:
+        sealed = _SEALED.decode(blob)
+    except msgspec.DecodeError as e:  # ValidationError included
+        raise SealError("malformed", f"it is not a sealed message ({e}): cut short or altered in the "
+                                     f"store, or not written by seal()") from e
+    if sealed.format != SEAL_FORMAT:
+        raise SealError("malformed", f"it is a sealed message of format {sealed.format}, and this node "
+                                     f"reads format {SEAL_FORMAT} (does the sender run another version?)")
+    key_id = _key_id(secret)
+    if not hmac.compare_digest(sealed.key_id, key_id):
+        raise SealError("secret", f"it was sealed under another secret (key id {sealed.key_id.hex()}; "
+                                  f"this node's is {key_id.hex()})")
+    moved = [f"{what} {theirs!r}, not {ours!r}" for what, theirs, ours in (
+        ("run", sealed.run_id, run_id), ("node", sealed.rank, rank), ("purpose", sealed.purpose, purpose))
+        if theirs != ours]
+    if moved:
+        raise SealError("context", f"it was sealed for {', '.join(moved)}: a sealed message opens only "
+                                   f"for the run, node and purpose it was sealed for")
+    if len(sealed.nonce) != NONCE_BYTES:
+        raise SealError("malformed", f"its nonce is {len(sealed.nonce)} bytes, not {NONCE_BYTES}")
+    try:
+        return ChaCha20Poly1305(_seal_key(secret, run_id)).decrypt(
+            sealed.nonce, sealed.box, _associated_data(run_id, rank, purpose))
+    except InvalidTag as e:
+        raise SealError("altered", "its authentication tag does not verify: it was altered in the store "
+                                   "(or forged by someone without the secret)") from e
 
 
 def _proof(secret: bytes, run_id: str, info: NodeInfo, nnodes: int) -> str:
@@ -620,7 +717,8 @@ def _lead(handle: StoreHandle, info: NodeInfo, nnodes: int, secret: bytes, key_d
     public, key_secret = _fresh_keys()
     ordered = [nodes[r] for r in range(nnodes)]
     payload = msgspec.json.encode(_Payload(run_id=run_id, public=public, secret=key_secret, nodes=ordered))
-    handle.set(f"{PREFIX}keys", seal(secret, run_id, payload))
+    for rank in range(1, nnodes):  # one blob per node, sealed for it: none opens for another
+        handle.set(f"{PREFIX}keys/{rank}", seal(secret, payload, run_id=run_id, rank=rank, purpose="keys"))
     handle.set(f"{PREFIX}go", b"1")
     _write_keys(key_dir, public, key_secret)
     if not _await_acks(handle, nnodes - 1):
@@ -682,19 +780,28 @@ def _verdict(handle: StoreHandle, got: str, info: NodeInfo, nnodes: int, secret:
     rank = info.rank
     if got.endswith("abort"):
         raise RendezvousError(_abort_message(handle.get(got, 1.0), rank, secret, run_id, where))
-    return _take_keys(handle, f"{PREFIX}keys", secret, run_id, run_id, info, key_dir, nnodes=nnodes)
+    return _take_keys(handle, f"{PREFIX}keys/{rank}", secret, "keys", run_id, info, key_dir, nnodes=nnodes)
 
 
-def _take_keys(handle: StoreHandle, key: str, secret: bytes, ad: str, run_id: str, info: NodeInfo, key_dir: str,
-               *, nnodes: int | None = None) -> Rendezvous:
-    """Unseal node 0's answer at `key` (sealed for `ad`), check it names this node as it arrived
-    (and, for the initial rendezvous, holds `nnodes` nodes), and write the run's keys."""
+def _take_keys(handle: StoreHandle, key: str, secret: bytes, purpose: str, run_id: str, info: NodeInfo,
+               key_dir: str, *, nnodes: int | None = None) -> Rendezvous:
+    """Unseal node 0's answer at `key` (sealed for this node and `purpose`), check it names this
+    node as it arrived (and, for the initial rendezvous, holds `nnodes` nodes), and write the
+    run's keys."""
     rank = info.rank
     try:
-        payload = msgspec.json.decode(unseal(secret, ad, handle.get(key, 1.0)), type=_Payload)
-    except (ValueError, TimeoutError) as e:  # msgspec.DecodeError is a ValueError
-        raise RendezvousError(f"node {rank}: the keys from node 0 do not verify: this node's secret "
-                              f"differs from node 0's ({e})") from e
+        plaintext = unseal(secret, handle.get(key, 1.0), run_id=run_id, rank=rank, purpose=purpose)
+    except TimeoutError as e:
+        raise RendezvousError(f"node {rank}: node 0 answered, but the store holds no keys for this node "
+                              f"({e}): someone else who can reach the port removed them?") from e
+    except SealError as e:
+        why = f"this node's secret differs from node 0's ({e})" if e.cause == "secret" else str(e)
+        raise RendezvousError(f"node {rank}: the keys from node 0 do not verify: {why}") from e
+    try:
+        payload = msgspec.json.decode(plaintext, type=_Payload)
+    except msgspec.DecodeError as e:  # it verified: node 0 wrote it, in a layout this node does not read
+        raise RendezvousError(f"node {rank}: the keys from node 0 verify but do not parse ({e}): does "
+                              f"node 0 run another version?") from e
     if payload.run_id != run_id:
         raise RendezvousError(f"node {rank}: the keys from node 0 are for run {payload.run_id}, not {run_id}")
     if (nnodes is not None and len(payload.nodes) != nnodes) or [n for n in payload.nodes if n.rank == rank] != [info]:
@@ -735,6 +842,11 @@ def _join_ad(run_id: str, seq: int) -> str:
     return f"{run_id}/join/{seq}"
 
 
+def _join_purpose(seq: int) -> str:
+    """What the sealed answer to join request `seq` is for (the run and the node are bound too)."""
+    return f"join/{seq}"
+
+
 def _join_proof(secret: bytes, ad: str, info: NodeInfo, nnodes: int) -> str:
     data = f"join|{ad}|{nnodes}|".encode() + msgspec.json.encode(info)
     return hmac.new(secret, data, hashlib.sha256).hexdigest()
@@ -758,7 +870,7 @@ def _join(handle: StoreHandle, info: NodeInfo, nnodes: int, secret: bytes, run_i
             f"(request {seq}) within {timeout_s:g} s: is node 0's launcher serving joins?")
     if got.endswith("abort"):
         raise RendezvousError(_refusal_message(handle.get(got, 1.0), rank, secret, ad, where))
-    return _take_keys(handle, got, secret, ad, run_id, info, key_dir)
+    return _take_keys(handle, got, secret, _join_purpose(seq), run_id, info, key_dir)
 
 
 def _refusal_message(raw: bytes, rank: int, secret: bytes, ad: str, where: str) -> str:
@@ -892,7 +1004,8 @@ class JoinServer:
         nodes = {**self._nodes, info.rank: info}
         payload = _Payload(run_id=self._rdzv.run_id, public=self._public, secret=self._secret_key,
                            nodes=[nodes[r] for r in sorted(nodes)])
-        self._handle.set(f"{base}/keys", seal(self._secret, ad, msgspec.json.encode(payload)))
+        self._handle.set(f"{base}/keys", seal(self._secret, msgspec.json.encode(payload), run_id=self._rdzv.run_id,
+                                              rank=info.rank, purpose=_join_purpose(seq)))
         rejoined = info.rank in self._nodes
         self._nodes = nodes
         self._finish(seq)

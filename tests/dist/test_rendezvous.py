@@ -29,6 +29,7 @@ from miles_async.launch.rendezvous import (
     NodeInfo,
     Rendezvous,
     RendezvousError,
+    SealError,
     StoreHandle,
     load_secret,
     rendezvous,
@@ -309,12 +310,50 @@ def _against_fake_node_0(tmp_path: Path, write: dict[str, bytes]) -> RendezvousE
     return info.value
 
 
+FAKE_RUN = "ab" * 16
+FAKE_PAYLOAD = msgspec.json.encode({"run_id": FAKE_RUN, "public": b"p", "secret": b"s", "nodes": []})
+
+
+def relabel(blob: bytes, **fields: Any) -> bytes:
+    """`blob` with fields it states in clear rewritten, as an attacker with write access may."""
+    sealed = msgspec.msgpack.decode(blob)
+    sealed.update(fields)
+    return msgspec.msgpack.encode(sealed)
+
+
+def flip(blob: bytes, field: str, index: int) -> bytes:
+    """`blob` with one bit of its `nonce` or `box` (ciphertext, then tag) flipped."""
+    value = bytearray(msgspec.msgpack.decode(blob)[field])
+    value[index] ^= 0x01
+    return relabel(blob, **{field: bytes(value)})
+
+
 def test_keys_sealed_with_another_secret_are_refused(tmp_path: Path) -> None:
-    payload = msgspec.json.encode({"run_id": "ab" * 16, "public": b"p", "secret": b"s", "nodes": []})
     error = _against_fake_node_0(tmp_path, {
-        "rdzv/keys": seal(OTHER_SECRET, "ab" * 16, payload), "rdzv/go": b"1"})
+        "rdzv/keys/1": seal(OTHER_SECRET, FAKE_PAYLOAD, run_id=FAKE_RUN, rank=1, purpose="keys"),
+        "rdzv/go": b"1"})
     assert str(error).startswith(
-        "node 1: the keys from node 0 do not verify: this node's secret differs from node 0's")
+        "node 1: the keys from node 0 do not verify: this node's secret differs from node 0's "
+        "(it was sealed under another secret")
+
+
+@pytest.mark.parametrize(("blob", "why"), [
+    (seal(SECRET, FAKE_PAYLOAD, run_id=FAKE_RUN, rank=2, purpose="keys"),
+     "it was sealed for node 2, not 1: a sealed message opens only for the run, node and purpose"),
+    (seal(SECRET, FAKE_PAYLOAD, run_id=FAKE_RUN, rank=1, purpose="join/1"),
+     "it was sealed for purpose 'join/1', not 'keys'"),
+    (seal(SECRET, FAKE_PAYLOAD, run_id="cd" * 16, rank=1, purpose="keys"),
+     f"it was sealed for run {'cd' * 16!r}, not {FAKE_RUN!r}"),
+    (relabel(seal(SECRET, FAKE_PAYLOAD, run_id=FAKE_RUN, rank=2, purpose="keys"), rank=1),
+     "its authentication tag does not verify: it was altered in the store"),
+    (flip(seal(SECRET, FAKE_PAYLOAD, run_id=FAKE_RUN, rank=1, purpose="keys"), "box", 5),
+     "its authentication tag does not verify: it was altered in the store"),
+    (seal(SECRET, FAKE_PAYLOAD, run_id=FAKE_RUN, rank=1, purpose="keys")[:-20],
+     "it is not a sealed message"),
+], ids=["for-another-node", "for-another-purpose", "for-another-run", "relabelled", "tampered", "cut-short"])
+def test_keys_not_sealed_for_this_node_are_refused(tmp_path: Path, blob: bytes, why: str) -> None:
+    error = _against_fake_node_0(tmp_path, {"rdzv/keys/1": blob, "rdzv/go": b"1"})
+    assert str(error).startswith(f"node 1: the keys from node 0 do not verify: {why}")
 
 
 def test_a_forged_abort_says_it_does_not_verify(tmp_path: Path) -> None:
@@ -536,6 +575,33 @@ def test_a_number_taken_without_an_arrival_holds_up_nobody(
     assert node0.handle.check(["rdzv/join/1/abort"])  # refused after GAP_S
 
 
+def test_keys_replayed_for_another_node_and_purpose_are_refused(
+        cluster: tuple[Cluster, Node, JoinServer]) -> None:
+    c, node0, server = cluster
+    assert node0.handle is not None and node0.result is not None
+    node1_keys = node0.handle.get("rdzv/keys/1", 1.0)  # node 0's real answer to node 1's arrival
+    assert security.load_run_keys(node0.result.key_dir).secret not in node1_keys
+    joiner = c.launch(2, 3, key_dir=str(c.tmp_path / "replayed"), timeout_s=3.0)
+    wait_for_request(node0.handle, 1)
+    node0.handle.set("rdzv/join/1/keys", node1_keys)  # an attacker answers node 2's join with it
+    joiner.join(JOIN_S)
+    assert isinstance(joiner.error, RendezvousError)
+    assert str(joiner.error).startswith(
+        "node 2: the keys from node 0 do not verify: it was sealed for node 1, not 2, purpose 'keys', "
+        "not 'join/1'")
+    assert not (c.tmp_path / "replayed").exists()
+    # and relabelled to look like the answer node 2 expects, it fails its tag
+    joiner = c.launch(2, 3, key_dir=str(c.tmp_path / "relabelled"), timeout_s=3.0)
+    wait_for_request(node0.handle, 2)
+    node0.handle.set("rdzv/join/2/keys", relabel(node1_keys, rank=2, purpose="join/2"))
+    joiner.join(JOIN_S)
+    assert str(joiner.error) == ("node 2: the keys from node 0 do not verify: its authentication tag does "
+                                 "not verify: it was altered in the store (or forged by someone without "
+                                 "the secret)")
+    assert not (c.tmp_path / "relabelled").exists()
+    assert [n.rank for n in server.nodes] == [0, 1]
+
+
 def test_only_node_0_serves_joins(cluster: tuple[Cluster, Node, JoinServer]) -> None:
     c, _, _ = cluster
     node1 = c.nodes[1]
@@ -548,32 +614,67 @@ def test_only_node_0_serves_joins(cluster: tuple[Cluster, Node, JoinServer]) -> 
 # the cipher
 
 
+CONTEXT: dict[str, Any] = {"run_id": "run1", "rank": 1, "purpose": "keys"}
+
+
 @pytest.mark.parametrize("size", [0, 1, 31, 32, 33, 1000])
 def test_seal_round_trip(size: int) -> None:
     plaintext = bytes(range(256)) * 4
     plaintext = plaintext[:size]
-    blob = seal(SECRET, "run1", plaintext)
-    assert len(blob) == 16 + size + 32
-    assert unseal(SECRET, "run1", blob) == plaintext
-    assert seal(SECRET, "run1", plaintext) != blob  # a fresh nonce each time
+    blob = seal(SECRET, plaintext, **CONTEXT)
+    sealed = msgspec.msgpack.decode(blob)
+    assert len(sealed["nonce"]) == 12 and len(sealed["box"]) == size + 16  # ChaCha20-Poly1305
+    assert unseal(SECRET, blob, **CONTEXT) == plaintext
+    assert seal(SECRET, plaintext, **CONTEXT) != blob  # a fresh nonce each time
     if size >= 16:
         assert plaintext not in blob
 
 
-def test_seal_detects_tampering_and_wrong_keys() -> None:
-    plaintext = b"the run's CURVE secret key, say" * 3
-    blob = seal(SECRET, "run1", plaintext)
-    for i in (0, 15, 16, len(blob) // 2, len(blob) - 33, len(blob) - 1):  # nonce, ciphertext, tag
-        tampered = bytearray(blob)
-        tampered[i] ^= 0x01
-        with pytest.raises(ValueError, match="does not verify"):
-            unseal(SECRET, "run1", bytes(tampered))
-    with pytest.raises(ValueError, match="does not verify"):
-        unseal(OTHER_SECRET, "run1", blob)
-    with pytest.raises(ValueError, match="does not verify"):
-        unseal(SECRET, "run2", blob)
-    with pytest.raises(ValueError):
-        unseal(SECRET, "run1", blob[:40])
+def test_a_tampered_sealed_blob_is_refused() -> None:
+    blob = seal(SECRET, b"the run's CURVE secret key, say" * 3, **CONTEXT)
+    box_bytes = len(msgspec.msgpack.decode(blob)["box"])
+    for field, index in (("nonce", 0), ("nonce", 11), ("box", 0), ("box", box_bytes // 2),
+                         ("box", box_bytes - 17), ("box", box_bytes - 16), ("box", box_bytes - 1)):
+        with pytest.raises(SealError, match="its authentication tag does not verify: it was altered") as info:
+            unseal(SECRET, flip(blob, field, index), **CONTEXT)
+        assert info.value.cause == "altered"
+    for cut in (blob[:40], blob[:-1], b"", blob + b"x"):
+        with pytest.raises(SealError, match="it is not a sealed message") as info:
+            unseal(SECRET, cut, **CONTEXT)
+        assert info.value.cause == "malformed"
+    with pytest.raises(SealError, match="nonce is 11 bytes"):
+        unseal(SECRET, relabel(blob, nonce=b"x" * 11), **CONTEXT)
+    with pytest.raises(SealError, match="format 2, and this node reads format 1"):
+        unseal(SECRET, relabel(blob, format=2), **CONTEXT)
+
+
+def test_a_blob_sealed_for_node_1_opens_for_no_other_node_purpose_or_run() -> None:
+    blob = seal(SECRET, b"keys for node 1", **CONTEXT)
+    for other, why in (({"rank": 2}, "node 1, not 2"), ({"purpose": "join/1"}, "purpose 'keys', not 'join/1'"),
+                       ({"run_id": "run2"}, "run 'run1', not 'run2'"),
+                       ({"rank": 2, "purpose": "join/3"}, "node 1, not 2, purpose 'keys', not 'join/3'")):
+        with pytest.raises(SealError) as info:
+            unseal(SECRET, blob, **{**CONTEXT, **other})
+        assert info.value.cause == "context"
+        assert str(info.value) == (f"it was sealed for {why}: a sealed message opens only for the run, "
+                                   f"node and purpose it was sealed for")
+        # relabelled in clear to match, it still fails: the box is bound to what it was sealed for
+        with pytest.raises(SealError, match="it was altered") as info:
+            unseal(SECRET, relabel(blob, **other), **{**CONTEXT, **other})
+        assert info.value.cause == "altered"
+
+
+def test_a_wrong_secret_is_refused() -> None:
+    blob = seal(SECRET, b"keys for node 1", **CONTEXT)
+    with pytest.raises(SealError, match=r"^it was sealed under another secret \(key id [0-9a-f]{16}; this "
+                                        r"node's is [0-9a-f]{16}\)$") as info:
+        unseal(OTHER_SECRET, blob, **CONTEXT)
+    assert info.value.cause == "secret"
+    assert isinstance(info.value, ValueError)
+    # with the key id relabelled to the other secret's, the tag still fails
+    other_id = msgspec.msgpack.decode(seal(OTHER_SECRET, b"", **CONTEXT))["key_id"]
+    with pytest.raises(SealError, match="it was altered"):
+        unseal(OTHER_SECRET, relabel(blob, key_id=other_id), **CONTEXT)
 
 
 def test_node_info_is_frozen() -> None:
