@@ -1,17 +1,21 @@
 """The actor runtime: actors, mailboxes over ZeroMQ, msgspec messages, supervision, clocks.
 
 It knows nothing of RL; the roles in `miles_async.actors` are built on it. See `system.py` for
-an example, `actor.py` for handler semantics, `wire.py` for the frames on the wire.
+an example, `actor.py` for handler semantics, `wire.py` for the frames on the wire, `dataplane.py`
+for bulk bytes passed by reference.
 """
 
 from miles_async.runtime.actor import Actor, handler
 from miles_async.runtime.clock import Clock, RealClock, VirtualClock
 from miles_async.runtime.config import RuntimeConfig
+from miles_async.runtime.dataplane import BlobRef, DataPlane, DataPlaneStats
 from miles_async.runtime.errors import (
     ActorDeadError,
     ActorError,
     AskTimeoutError,
     BadMessageError,
+    BlobGoneError,
+    DataPlaneFullError,
     Failure,
     MailboxFullError,
     RemoteError,
@@ -26,6 +30,7 @@ from miles_async.runtime.system import ActorSystem
 
 __all__ = [
     "Actor", "ActorAddress", "ActorDeadError", "ActorError", "ActorRef", "ActorSystem", "AskTimeoutError",
-    "BadMessageError", "Clock", "Failure", "MailboxFullError", "Message", "RealClock", "RemoteError",
-    "RestartPolicy", "RuntimeConfig", "SpawnError", "UnknownActorError", "VirtualClock", "handler", "run",
+    "BadMessageError", "BlobGoneError", "BlobRef", "Clock", "DataPlane", "DataPlaneFullError", "DataPlaneStats",
+    "Failure", "MailboxFullError", "Message", "RealClock", "RemoteError", "RestartPolicy", "RuntimeConfig",
+    "SpawnError", "UnknownActorError", "VirtualClock", "handler", "run",
 ]

@@ -23,6 +23,21 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     spawn_timeout_s: how long a child process may take to start its actor.
     stop_grace_s: how long a stopping actor's running handlers may take before they are cancelled.
     max_message_bytes: larger frames are refused by the socket (tensors go through transports).
+    dataplane_dir: the folder of the data plane's shared-memory segments (see `dataplane.py`);
+        None means /dev/shm where it exists and is writable, else the system's temporary folder.
+        Every process of a node must use the same one to read each other's blobs in place: a
+        reader whose folder differs (a real setting, and how tests force the remote path) reads
+        through the owner's `$dataplane` actor instead, as across nodes.
+    dataplane_segment_bytes: the size of one shared-memory segment (header included); blobs are
+        packed into segments, and a blob larger than one gets a segment of its own. tmpfs
+        allocates pages as they are written, so an idle segment costs next to nothing.
+    dataplane_max_bytes: the most shared memory (segment sizes summed) one process's data plane
+        may hold; past it `put` raises `DataPlaneFullError`. 8 GiB is tens of batches of a large
+        run's trajectory arrays (100s of MB each, freed once trained on), yet a small part of a
+        training node's /dev/shm (half its RAM by default): a consumer that forgets to free fails
+        with a named error long before tmpfs fills up, where writers die of SIGBUS instead.
+    dataplane_max_peer_mappings: how many segments of other processes of this node a process
+        keeps mapped (least recently read first out); a mapping costs address space, not memory.
     """
 
     transport: Literal["ipc", "tcp"] = "ipc"
@@ -36,6 +51,10 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     spawn_timeout_s: float = 60.0
     stop_grace_s: float = 5.0
     max_message_bytes: int = 64 * 1024 * 1024
+    dataplane_dir: str | None = None
+    dataplane_segment_bytes: int = 64 * 1024 * 1024
+    dataplane_max_bytes: int = 8 * 1024**3
+    dataplane_max_peer_mappings: int = 256
 
     def __post_init__(self) -> None:
         if self.transport not in ("ipc", "tcp"):
@@ -46,6 +65,12 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
         for field in ("ask_timeout_s", "spawn_timeout_s", "stop_grace_s"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"RuntimeConfig.{field} must be > 0, got {getattr(self, field)}")
+        if not 4096 <= self.dataplane_segment_bytes <= self.dataplane_max_bytes:
+            raise ValueError("RuntimeConfig needs 4096 <= dataplane_segment_bytes <= dataplane_max_bytes, got "
+                             f"{self.dataplane_segment_bytes} and {self.dataplane_max_bytes}")
+        if self.dataplane_max_peer_mappings < 1:
+            raise ValueError(f"RuntimeConfig.dataplane_max_peer_mappings must be >= 1, got "
+                             f"{self.dataplane_max_peer_mappings}")
 
     @property
     def use_curve(self) -> bool:

@@ -1,17 +1,21 @@
-"""The actors every system hosts: `$system` (control) and, on a run's first system, `$directory`."""
+"""The actors every system hosts: `$system` (control), `$dataplane` (its data plane's reads and
+frees for other processes) and, on a run's first system, `$directory`."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from miles_async.runtime.actor import Actor, handler
+from miles_async.runtime.dataplane import DATAPLANE_CAPACITY
 from miles_async.runtime.errors import UnknownActorError
 from miles_async.runtime.messages import (
     ActorAddress,
     ChildDied,
     ChildReady,
+    FreeBlobs,
     ListNames,
     Lookup,
+    ReadBlob,
     Register,
     RestartActor,
     ShutdownSystem,
@@ -64,6 +68,22 @@ class SystemActor(Actor):
     async def shutdown(self, msg: ShutdownSystem) -> None:
         self.system._background_task(self.system.close())
 
+
+class DataPlaneActor(Actor):
+    """Serves this process's data plane to processes that cannot map its segments (another node,
+    another folder), and takes frees from any process. Handlers are synchronous: each is a few
+    dict operations or a view of one piece, which the reply copies (a piece fits one frame)."""
+
+    mailbox_capacity = DATAPLANE_CAPACITY
+    system: ActorSystem
+
+    @handler
+    def read_blob(self, msg: ReadBlob) -> memoryview:
+        return self.system.dataplane.serve_read(msg.ref, msg.offset, msg.length)
+
+    @handler
+    def free_blobs(self, msg: FreeBlobs) -> None:
+        self.system.dataplane.serve_free(msg.refs)
 
 
 class Directory(Actor):

@@ -78,3 +78,12 @@ class SpawnError(ActorError):
         super().__init__(f"actor {actor!r} failed to start: {cause.describe()}")
         self.actor = actor
         self.cause = cause
+
+
+class BlobGoneError(ActorError):
+    """A data-plane blob cannot be read: it was freed, or its owner process is gone."""
+
+
+class DataPlaneFullError(ActorError):
+    """A process's data plane would pass `RuntimeConfig.dataplane_max_bytes`, or its
+    shared-memory folder is full: free blobs once their readers are done, or raise the limit."""

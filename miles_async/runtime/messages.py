@@ -9,7 +9,8 @@ the asking side decodes the reply with it. Without `Reply`, replies decode to pl
         amount: int
         Reply: ClassVar = int
 
-Tensors never ride in messages: a transport moves them and the message carries a handle.
+Tensors never ride in messages: a transport moves them and the message carries a handle (for
+bulk bytes made by actors, a `BlobRef` into the data plane: see `dataplane.py`).
 """
 
 from __future__ import annotations
@@ -91,3 +92,50 @@ class Lookup(Message):
 
 class ListNames(Message):
     Reply: ClassVar[Any] = list[str]
+
+
+# -- the data plane (handled by each system's `$dataplane` actor; see dataplane.py) -----------
+
+
+class BlobRef(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Where a blob of bytes lives: in a shared-memory segment of the process at `owner`.
+
+    Plain data (~100 bytes encoded), so it rides inside messages in place of the bytes;
+    `system.dataplane.read(ref)` in any process of the run returns the bytes. Tagged (not
+    array_like) so that it can share a union with other tagged records, e.g. a field typed
+    `TokenData | BlobRef | None` (msgspec allows several structs in a union only when all are
+    tagged and all are encoded alike).
+
+    owner: the address of the owning `ActorSystem`, whose `$dataplane` actor serves remote reads
+        and frees.
+    segment: the file name of the segment (in the run's shared-memory folder).
+    token: the random 63-bit id of the segment's generation, also written in its header. A
+        reader on the same node maps the file only when the two match, and the owner draws a new
+        one whenever it recycles an emptied segment, so a stale ref never reads another blob.
+    offset, size: where the blob's bytes are in the segment.
+    """
+
+    owner: str
+    segment: str
+    token: int
+    offset: int
+    size: int
+
+
+class ReadBlob(Message):
+    """Ask a blob's owner for `length` bytes of it from `offset` (relative to the blob's start).
+
+    The reply is decoded as a view into the received frame (no copy). Sent by readers that cannot
+    map the segment (another node, another shared-memory folder), in pieces that fit a frame.
+    """
+
+    ref: BlobRef
+    offset: int
+    length: int
+    Reply: ClassVar[Any] = memoryview
+
+
+class FreeBlobs(Message):
+    """Release these blobs of the receiving process (a tell; refs it does not hold are ignored)."""
+
+    refs: list[BlobRef]

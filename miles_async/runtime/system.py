@@ -17,7 +17,10 @@ What lives here:
   or leaving it dead (callers then get `ActorDeadError` with the root cause);
 - liveness: every Link pings its host; a host silent for `heartbeat_timeout_s` is lost, and a
   child process's exit is seen at once through its sentinel;
-- the directory (names to addresses) is an actor, `$directory`, on the first system of a run.
+- the directory (names to addresses) is an actor, `$directory`, on the first system of a run;
+- the data plane (`dataplane.py`): bulk bytes in shared memory, read by `BlobRef`; other
+  processes reach it through the `$dataplane` actor, and the segments of a child process that
+  died are unlinked when its exit is seen.
 
 Sockets are plain (non-asyncio) pyzmq sockets driven by `loop.add_reader` on their FD, drained
 with non-blocking receives: far cheaper per message than a Future per `recv`.
@@ -41,7 +44,8 @@ import zmq
 from miles_async.runtime import security, wire
 from miles_async.runtime.actor import Actor, HandlerSpec
 from miles_async.runtime.config import RuntimeConfig
-from miles_async.runtime.control import Directory, SystemActor
+from miles_async.runtime.control import DataPlaneActor, Directory, SystemActor
+from miles_async.runtime.dataplane import DATAPLANE_ACTOR, DataPlane
 from miles_async.runtime.eager import PENDING, start
 from miles_async.runtime.errors import (
     ActorDeadError,
@@ -189,6 +193,7 @@ class ActorSystem:
         self._closing = False
         self._parent_pid = os.getppid()
         self.watch_parent = False  # set in child processes: exit when the parent is gone
+        self.dataplane: DataPlane = None  # type: ignore[assignment]  # made by start()
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -212,6 +217,7 @@ class ActorSystem:
             self.run_dir = tempfile.mkdtemp(prefix="miles-async-")
             self._owns_run_dir = True
             self.config = msgspec.structs.replace(cfg, run_dir=self.run_dir)
+        self.dataplane = DataPlane(self)  # checks its folder; creates nothing until the first put
         self._ctx = zmq.Context()
         if self.config.use_curve:
             key_dir = self._key_dir or os.path.join(self.run_dir, "keys")
@@ -225,6 +231,7 @@ class ActorSystem:
         self._links[self.address] = self._local
         self._started = True
         self._host_builtin(SYSTEM_ACTOR, SystemActor)
+        self._host_builtin(DATAPLANE_ACTOR, DataPlaneActor)
         if self._directory_address is None:
             self._host_builtin(DIRECTORY_ACTOR, Directory)
             self._directory_address = self.address
@@ -279,6 +286,8 @@ class ActorSystem:
         """Release sockets, threads and files; runs even if stopping the actors failed."""
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
+        if self.dataplane is not None:
+            self.dataplane.close()
         for task in list(self._background):
             task.cancel()
         for link in self._links.values():
@@ -516,6 +525,9 @@ class ActorSystem:
         else:
             self._answer_remote(h, env, ident, value, exc)
         if exc is not None and not env.is_ask and not isinstance(exc, ActorDeadError) and h.state is RUNNING:
+            if h.name.startswith("$"):  # a system actor serves every peer: one bad tell must not kill it
+                log.error("system actor %r: a tell of %s failed", h.name, type(env.msg).__name__, exc_info=exc)
+                return
             log.error("actor %r crashed: a tell handler for %s raised", h.name, type(env.msg).__name__,
                       exc_info=exc)
             self._crash(h, Failure.from_exception(exc))

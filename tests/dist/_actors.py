@@ -7,12 +7,13 @@ pytest puts `tests/dist` on `sys.path` and the runtime hands `sys.path` to its c
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 from typing import Any, ClassVar
 
 import msgspec
 
-from miles_async.runtime import Actor, Message, handler
+from miles_async.runtime import Actor, BlobRef, DataPlaneStats, Message, handler
 
 
 class CounterStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -22,6 +23,20 @@ class CounterStats(msgspec.Struct, frozen=True, kw_only=True):
     history: list[int]
     pid: int
     incarnation: int
+
+
+class PutInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A blob put by a `BlobKeeper`: its ref and the sha256 of its bytes."""
+
+    ref: BlobRef
+    sha256: str
+
+
+class ReadInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What a `BlobKeeper` read: the sha256 of the bytes, and its data plane's stats after."""
+
+    sha256: str
+    stats: DataPlaneStats
 
 
 # -- messages -------------------------------------------------------------------------------
@@ -106,6 +121,28 @@ class CloseGate(Message):
 
 class Held(Message):
     Reply: ClassVar[Any] = list[int]
+
+
+class PutRandom(Message):
+    """Put `num_bytes` random bytes into the receiver's data plane."""
+
+    num_bytes: int
+    Reply: ClassVar[Any] = PutInfo
+
+
+class ReadRef(Message):
+    ref: BlobRef
+    Reply: ClassVar[Any] = ReadInfo
+
+
+class FreeRefs(Message):
+    """Ask the receiver to free refs (its own, or another process's through their owner)."""
+
+    refs: list[BlobRef]
+
+
+class PlaneStats(Message):
+    Reply: ClassVar[Any] = DataPlaneStats
 
 
 class Family(Message):
@@ -225,3 +262,31 @@ class FailsToStart(Actor):
     @handler
     def get(self, msg: Get) -> int:
         return 0
+
+
+class BlobKeeper(Actor):
+    """Puts, reads and frees data-plane blobs in its process when asked."""
+
+    @handler
+    def put_random(self, msg: PutRandom) -> PutInfo:
+        data = os.urandom(msg.num_bytes)
+        return PutInfo(ref=self.system.dataplane.put(data), sha256=hashlib.sha256(data).hexdigest())
+
+    @handler
+    async def read_ref(self, msg: ReadRef) -> ReadInfo:
+        view = await self.system.dataplane.read(msg.ref)
+        digest = hashlib.sha256(view).hexdigest()
+        view.release()
+        return ReadInfo(sha256=digest, stats=self.system.dataplane.stats)
+
+    @handler
+    def free_refs(self, msg: FreeRefs) -> None:
+        self.system.dataplane.free(msg.refs)
+
+    @handler
+    def plane_stats(self, msg: PlaneStats) -> DataPlaneStats:
+        return self.system.dataplane.stats
+
+    @handler
+    def pid(self, msg: Pid) -> int:
+        return os.getpid()
