@@ -9,17 +9,81 @@ the default one). The rendezvous: rank 0 opens the store (`WeightGroup.open_stor
 port), sends host and port to the others (actor messages), then every member calls `join`,
 which blocks until all have joined, so the members call it concurrently.
 
+Where things listen: torch's TCPStore server binds every interface (`::`) whatever host it is
+given, and its sockets have no authentication, so `listening_store` binds the socket itself, on
+the given host only, and hands it to the store (`master_listen_fd`); the trainer's process group
+uses it too (`miles_async.trainer.fsdp`). A member's gloo pairs listen on `local_host`; a group
+whose store is on loopback (one machine) keeps them on loopback.
+
 Try it: `pytest tests/unit/test_transport_groups.py -s`.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
+import ipaddress
+import logging
+import socket
 
 import torch
 import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl")
+LISTEN_BACKLOG = 2048  # torch's own store server listens with this backlog
+
+log = logging.getLogger(__name__)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) resolves to loopback addresses only."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def bound_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on `host` (the first of its addresses this machine holds) and `port`
+    (0: any free port), and on nothing else. OSError when none of its addresses can be bound."""
+    first_error: OSError | None = None
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's server does
+            sock.bind(address)
+            sock.listen(LISTEN_BACKLOG)
+        except OSError as e:
+            sock.close()
+            first_error = first_error or e
+            continue
+        return sock
+    raise first_error or OSError(errno.EADDRNOTAVAIL, f"{host!r} resolves to no address")
+
+
+def listening_store(host: str, port: int, world_size: int | None, timeout_s: float, *,
+                    wait_for_workers: bool = True) -> dist.TCPStore:
+    """A TCPStore server that listens on `host` only (torch's own listens on every interface).
+
+    When `host` is not an address of this machine (other nodes reach it through a NAT or a
+    forwarded port), the store can only listen on every interface, as torch's does; that is
+    logged. Raises OSError when the port is taken.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        sock = bound_listener(host, port)
+    except OSError as e:
+        if e.errno != errno.EADDRNOTAVAIL:
+            raise OSError(e.errno, f"cannot listen on {host}:{port} for a TCPStore: {e.strerror or e}") from e
+        log.warning("%s is not an address of this machine: its TCPStore (no authentication) listens on every "
+                    "interface; give an address of this machine to keep it on one", host)
+        return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout,
+                             wait_for_workers=wait_for_workers)
+    bound_port = sock.getsockname()[1]
+    # The store owns the socket from here (it closes it with its server).
+    return dist.TCPStore(host, bound_port, world_size, is_master=True, timeout=timeout,
+                         wait_for_workers=wait_for_workers, master_listen_fd=sock.detach())
 
 
 class WeightGroup:
@@ -35,9 +99,9 @@ class WeightGroup:
 
     @staticmethod
     def open_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
-        """Rank 0's store server on a free port (`.port`), not waiting for the others to connect."""
-        return dist.TCPStore(host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
+        """Rank 0's store server on a free port (`.port`) of `host` only, not waiting for the others
+        to connect."""
+        return listening_store(host, 0, world_size, timeout_s, wait_for_workers=False)
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world_size: int, *, backend: str = "gloo",
@@ -46,13 +110,16 @@ class WeightGroup:
         """Join the group (blocks until every member has); rank 0 passes the store it opened.
 
         `local_host`: the address this member's gloo connections use (its node's, in a multi-node
-        run); without it gloo picks by resolving the machine's hostname, which may be loopback.
+        run); without it, loopback when the store is on loopback (all members on this machine),
+        else gloo picks by resolving the machine's hostname (GLOO_SOCKET_IFNAME).
         """
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of {world_size}")
         timeout = datetime.timedelta(seconds=timeout_s)
+        if not local_host and is_loopback(host):
+            local_host = host
         if store is None:
             store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         prefixed = dist.PrefixStore(name, store)

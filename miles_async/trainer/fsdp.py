@@ -5,10 +5,15 @@ Rendezvous reads MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK from 
 when CUDA is there. Sharding is FSDP2's `fully_shard` on every decoder block, then on the root,
 so that the embedding, final norm and (tied) lm_head form the root's group.
 
+Where it listens: rank 0 hosts the rendezvous TCPStore on MASTER_ADDR only (torch's env://
+store would listen on every interface, with no authentication; `listening_store`), so a run on
+one machine (MASTER_ADDR on loopback) listens on loopback only, its gloo pairs too.
+
 Ranks on several machines: gloo (and NCCL's bootstrap) pick their network interface by resolving
 the machine's hostname, which may give loopback or an address other nodes cannot reach; a rank
 told its node's address (`bind_to`) sets GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface
-holding it, unless they are set already.
+holding it, unless they are set already. With MASTER_ADDR on loopback every rank is on this
+machine, and they are set to loopback's.
 
 Try it (one process): `with single_process_group("gloo") as device: shard_model(model, device)`.
 """
@@ -32,7 +37,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from miles_async.transport.groups import is_loopback, listening_store
+
 ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+IFNAME_KEYS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,7 @@ def bind_to(address: str) -> None:
     name = interface_of(address)
     if name is None:
         return
-    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+    for key in IFNAME_KEYS:
         os.environ.setdefault(key, name)
 
 
@@ -103,6 +111,18 @@ def pick_backend(backend: str) -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     return backend
+
+
+def rendezvous_store(env: RankEnv, timeout_s: float) -> dist.Store:
+    """The store the ranks meet at, as torch's env:// makes it, except that rank 0's server listens
+    on MASTER_ADDR only. Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) every rank is
+    a client of the store torchrun hosts."""
+    if env.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        store = listening_store(env.master_addr, env.master_port, env.world_size, timeout_s)
+    else:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore("default_pg", store)  # the key space env:// gives the default group
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = 120.0) -> torch.device:
@@ -115,8 +135,10 @@ def init_distributed(backend: str = "auto", timeout_s: float = 120.0) -> torch.d
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        if is_loopback(env.master_addr):  # every rank is on this machine: gloo/NCCL sockets on loopback
+            bind_to("127.0.0.1")
+        dist.init_process_group(backend, store=rendezvous_store(env, timeout_s), rank=env.rank,
+                                world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s))
     return device
 
 
@@ -124,11 +146,12 @@ def init_distributed(backend: str = "auto", timeout_s: float = 120.0) -> torch.d
 def single_process_group(backend: str = "auto", timeout_s: float = 60.0) -> Iterator[torch.device]:
     """A process group of this process alone (rank 0 of 1), for tools, notebooks and tests.
 
-    Sets the torchrun variables while it lasts and puts the previous ones back after.
+    Sets the torchrun variables (and the loopback interface for gloo/NCCL) while it lasts and
+    puts the previous ones back after.
     """
     if dist.is_initialized():
         raise RuntimeError("this process is already in a process group; leave it first")
-    saved = {key: os.environ.get(key) for key in ENV_KEYS}
+    saved = {key: os.environ.get(key) for key in (*ENV_KEYS, *IFNAME_KEYS)}
     RankEnv("127.0.0.1", free_port(), 0, 1, 0).export()
     try:
         device = init_distributed(backend, timeout_s)
