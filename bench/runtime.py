@@ -40,7 +40,7 @@ class Echo(Message):
     step: int
     tokens: list[int]
     tag: str
-    Reply: ClassVar = Any  # replaced below: the reply is an Echo
+    Reply: ClassVar[Any] = Any  # replaced below: the reply is an Echo
 
 
 Echo.Reply = Echo

@@ -10,7 +10,9 @@ Tensor names are Hugging Face's and map one to one onto our modules. Two layouts
 Anything else that is missing or left over is an error that names the tensors.
 
 The model is built on the meta device and the loaded tensors are assigned in, so loading costs
-one copy of the weights, not two, and no time on random initialisation.
+one copy of the weights, not two, and no time on random initialisation. That one copy is made
+even when no cast is needed: the model gets aligned memory of its own, not views of the file's
+mmap (`read_state_dict` says why).
 
 Tensor names (STYLE rule 10): E experts, F expert MLP width, D hidden.
 
@@ -54,8 +56,13 @@ def read_state_dict(path: str | Path, dtype: torch.dtype = torch.float32) -> dic
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+                # A copy, always: get_tensor returns a view of the file's mmap at 8 + header + offset
+                # bytes, often not 16-byte aligned, and MKL's one-row matmul (an expert with one
+                # token) sums in another order for such weights, so a loaded model would not be
+                # bit for bit the saved one. A fresh tensor is 64-byte aligned and owns its memory.
                 tensor = handle.get_tensor(name)
-                tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                wanted = dtype if tensor.is_floating_point() else tensor.dtype
+                tensors[name] = tensor.to(wanted, copy=True)
     return split_fused_experts(tensors)
 
 

@@ -186,6 +186,26 @@ def test_save_then_load_round_trips(tmp_path: Path, family: str) -> None:
         assert loaded(ids_BT).equal(model(ids_BT))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_load_is_bit_exact_wherever_the_file_puts_the_tensors(tmp_path: Path, family: str) -> None:
+    # A tensor lies in the file at 8 + header length + its offset: padding the header by 0-15
+    # bytes puts every tensor both 16-byte aligned and not. Weights left as views of the mmapped
+    # file at an address not 16-byte aligned made MKL's one-row matmul (one token, or an expert
+    # with one token) sum in another order; the loaded model must own aligned copies.
+    model = tiny(family)
+    save_pretrained(model, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    inputs = [torch.tensor([[7]]), torch.tensor([[1, 2, 3, 4]])]
+    with torch.no_grad():
+        expected = [model(ids_BT) for ids_BT in inputs]
+    for pad in range(16):
+        save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt", "pad": "x" * pad})
+        loaded = load_pretrained(tmp_path)
+        with torch.no_grad():
+            for ids_BT, logits_BTV in zip(inputs, expected):
+                assert loaded(ids_BT).equal(logits_BTV), f"header padded by {pad} bytes, input {ids_BT.tolist()}"
+
+
 def test_load_names_missing_and_misshapen_tensors(tmp_path: Path) -> None:
     save_pretrained(tiny("qwen3"), tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")

@@ -4,13 +4,17 @@ and importing the package stays light."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
-import pytest
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pyproject.toml gives Python 3.10 tomli, the same parser
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180
@@ -19,7 +23,6 @@ TIMEOUT_S = 180
 def test_every_package_folder_is_listed_in_pyproject() -> None:
     # The packages are listed by hand (packages.find cannot follow package-dir), so a new
     # subpackage that is not listed would work in the editable install and be missing from wheels.
-    tomllib = pytest.importorskip("tomllib")
     setuptools_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     found = set()
     for package, folder in setuptools_config["package-dir"].items():
@@ -33,6 +36,16 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
         f"listed in [tool.setuptools] packages without an __init__.py: {sorted(listed - found)}"
     )
 
+
+def test_the_readme_lists_exactly_the_optional_extras() -> None:
+    # README's "Optional extras" table once promised extras (megatron, te) that no code used.
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    section = (ROOT / "README.md").read_text().split("## Optional extras", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([\w-]+)` \| `([^`]+)` \|", section, flags=re.MULTILINE)
+    assert rows, "README.md: no table rows under '## Optional extras'"
+    assert {name: [installs] for name, installs in rows} == {
+        name: packages for name, packages in extras.items() if name != "dev"
+    }
 
 def test_import_is_light() -> None:
     code = (

@@ -7,7 +7,7 @@ sockets); child processes are tested in tests/dist.
 from __future__ import annotations
 
 import asyncio
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import msgspec
 import pytest
@@ -38,11 +38,11 @@ def arun(coro):
 
 class Add(Message):
     amount: int
-    Reply: ClassVar = int
+    Reply: ClassVar[Any] = int
 
 
 class Get(Message):
-    Reply: ClassVar = int
+    Reply: ClassVar[Any] = int
 
 
 class Stats(Message):
@@ -58,7 +58,7 @@ class Boom(Message):
 class Wait(Message):
     """Block until the actor's gate opens; replies the number of handlers running at once."""
 
-    Reply: ClassVar = int
+    Reply: ClassVar[Any] = int
 
 
 class Open(Message):
