@@ -111,8 +111,8 @@ rather than AES-GCM: equally standard, constant-time in software on any CPU.
 
 Security argument
 -----------------
-The TCPStore has no authentication (and its master listens on every interface of node 0, not
-only on A): anyone who can reach A:P can read and write every key. So nothing in it is trusted
+The TCPStore has no authentication (its master listens on node 0's address A only, but the
+network between nodes is not trusted): anyone who can reach A:P can read and write every key. So nothing in it is trusted
 for what it says, only for what it proves:
 
 * the run's CURVE keys travel only sealed under the shared secret: reading the store gives an
@@ -485,22 +485,23 @@ def _first_line(e: BaseException) -> str:
 
 
 def _listen_cause(e: BaseException) -> str:
-    text = str(e)
-    if "EADDRINUSE" in text or "address already in use" in text:
+    text = str(e).lower()  # torch's DistError says EADDRINUSE; an OSError, "Address already in use"
+    if "eaddrinuse" in text or "address already in use" in text:
         return "address already in use (another run, or pick another --master-port)"
-    if "EADDRNOTAVAIL" in text:
+    if "eaddrnotavail" in text:
         return "the address is not one of this host's"
-    if "EACCES" in text:
+    if "eacces" in text:
         return "permission denied (ports below 1024 need root)"
     return _first_line(e)
 
 
 def _start_master(addr: str, port: int, timeout_s: float) -> object:
-    from torch.distributed import DistError, TCPStore
+    from torch.distributed import DistError
 
-    try:
-        return TCPStore(addr, port, None, True, datetime.timedelta(seconds=max(timeout_s, 1.0)),
-                        wait_for_workers=False)
+    from miles_async.transport.groups import listening_store
+
+    try:  # on `addr` only (torch's own master would listen on every interface)
+        return listening_store(addr, port, None, max(timeout_s, 1.0), wait_for_workers=False)
     except (DistError, OSError) as e:
         raise RendezvousError(f"node 0: cannot listen on {addr}:{port}: {_listen_cause(e)}") from e
 
@@ -619,8 +620,8 @@ def rendezvous(*, nnodes: int, node_rank: int, master_addr: str, master_port: in
 
 
 def _check_master_addr(addr: str) -> None:
-    # TCPStore's master listens on every interface whatever `addr` says; a node 0 on a host that
-    # does not own `addr` would wait alone while the others meet nobody (or another node 0).
+    # Node 0 must own `addr`: its store listens there, and a node 0 on a host that does not would
+    # wait alone while the others meet nobody (or another node 0).
     try:
         with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.bind((addr, 0))
