@@ -87,6 +87,22 @@ class Supervisor:
     def __init__(self, system: ActorSystem) -> None:
         self.system = system
         self.children: dict[str, Child] = {}
+        self.watchers: dict[str, list[asyncio.Future[Failure]]] = {}  # `ActorSystem.watch`, by child name
+
+    def watch(self, rec: Child) -> asyncio.Future[Failure]:
+        """A future resolved with the cause once `rec` is dead for good (its policy gave up)."""
+        fut: asyncio.Future[Failure] = self.system.loop.create_future()
+        if rec.state is DEAD:
+            fut.set_result(rec.reported or wire.problem("ActorDead", f"actor {rec.name!r} is dead"))
+        else:
+            self.watchers.setdefault(rec.name, []).append(fut)
+        return fut
+
+    def _dead(self, rec: Child, failure: Failure) -> None:
+        rec.state = DEAD
+        for fut in self.watchers.pop(rec.name, []):
+            if not fut.done():
+                fut.set_result(failure)
 
     def on_child_died(self, name: str, failure: Failure) -> None:
         rec = self.children.get(name)
@@ -100,7 +116,7 @@ class Supervisor:
         now = self.system.loop.time()
         delay = None if self.system._closing else rec.policy.next_delay(rec.restarts, now)
         if delay is None:
-            rec.state = DEAD
+            self._dead(rec, failure)
             log.error("actor %r died and will not be restarted: %s", name, failure.describe())
             if rec.process not in (None, NOT_STARTED):
                 self.system._background_task(self.stop_child(rec, final_state=DEAD))

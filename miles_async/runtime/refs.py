@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class Link:
-    __slots__ = ("address", "dead", "last_heard", "pending", "scheduled", "sock", "used", "waiters")
+    __slots__ = ("address", "dead", "last_heard", "pending", "scheduled", "sock", "used", "waiters", "watchers")
 
     def __init__(self, address: str, sock: zmq.Socket | None, now: float) -> None:
         self.address = address
@@ -38,6 +38,7 @@ class Link:
         self.last_heard = now
         self.dead: Failure | None = None
         self.scheduled = False
+        self.watchers: list[asyncio.Future[Failure]] = []  # `ActorSystem.watch` of actors not owned here
 
     def release(self, target: str, count: int = 1) -> None:
         left = self.used.get(target, 0) - count

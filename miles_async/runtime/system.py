@@ -385,6 +385,25 @@ class ActorSystem:
                 raise ValueError(f"cannot register actor {name!r}: {exc.failure.message}") from exc
         return self.ref(entry)
 
+    def watch(self, target: ActorRef) -> asyncio.Future[Failure]:
+        """A future resolved with the cause once `target` is dead for good: an actor this system
+        spawned, when its `RestartPolicy` gives up on it (a restart in progress is not a death);
+        any other, when the link to its process is lost (the process exited, or went silent past
+        the heartbeat timeout). A graceful stop resolves it too, for an actor not spawned here.
+        Cancel the future to stop watching."""
+        self._check_started()
+        rec = self.supervisor.children.get(target.name)
+        if rec is not None:
+            return self.supervisor.watch(rec)
+        fut: asyncio.Future[Failure] = self.loop.create_future()
+        link = self._link_to(target.address)
+        if link.dead is not None:
+            fut.set_result(link.dead)
+        else:
+            link.watchers[:] = [w for w in link.watchers if not w.done()]
+            link.watchers.append(fut)
+        return fut
+
     async def stop(self, target: ActorRef | str, *, timeout_s: float | None = None) -> None:
         """Stop an actor gracefully wherever it runs; it is not restarted."""
         name = target if isinstance(target, str) else target.name
@@ -786,8 +805,8 @@ class ActorSystem:
         if link.sock is None or link.dead is not None:
             return
         busy = bool(link.pending) or any(link.used.values())
-        log.log(logging.WARNING if busy and not expected else logging.INFO, "lost contact with %s: %s",
-                link.address, cause.message)
+        level = logging.DEBUG if expected else logging.WARNING if busy else logging.INFO
+        log.log(level, "lost contact with %s: %s", link.address, cause.message)
         # a fresh socket drops frames queued for the dead peer, so a restarted peer never
         # runs requests that were already failed here
         self._close_link_socket(link)
@@ -807,6 +826,10 @@ class ActorSystem:
 
     def _fail_link(self, link: Link, cause: Failure) -> None:
         link.dead = cause
+        watchers, link.watchers = link.watchers, []
+        for watcher in watchers:
+            if not watcher.done():
+                watcher.set_result(cause)
         pending, link.pending = link.pending, {}
         for fut, _, target, timer in pending.values():
             if timer is not None:
