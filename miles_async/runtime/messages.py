@@ -7,7 +7,7 @@ the asking side decodes the reply with it. Without `Reply`, replies decode to pl
 
     class Add(Message):
         amount: int
-        Reply: ClassVar = int
+        Reply: ClassVar[Any] = int  # bare ClassVar fails on Python 3.10 (msgspec evaluates it)
 
 Tensors never ride in messages: a transport moves them and the message carries a handle (for
 bulk bytes made by actors, a `BlobRef` into the data plane: see `dataplane.py`).
