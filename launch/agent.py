@@ -33,7 +33,7 @@ import os
 import pickle
 import socket
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 
@@ -67,36 +67,32 @@ class NodeStatus(msgspec.Struct, frozen=True, kw_only=True):
     children: list[str]
 
 
-class SpawnHere(Message):
+class SpawnHere(Message[ActorAddress]):
     """Start an actor in a new process on this node. `payload`: pickle of (cls, args, kwargs, restart, env)."""
 
     name: str
     payload: bytes
-    Reply: ClassVar[Any] = ActorAddress
 
 
-class GetNodeStatus(Message):
-    Reply: ClassVar[Any] = NodeStatus
+class GetNodeStatus(Message[NodeStatus]):
+    """This node's agent: its host, GPUs and children."""
 
 
-class FreePort(Message):
+class FreePort(Message[int]):
     """A TCP port free right now on this node's address (for a process group's MASTER_PORT)."""
 
-    Reply: ClassVar[Any] = int
 
 
-class StopChildren(Message):
+class StopChildren(Message[None]):
     """Stop every process this agent started (their engines were declared lost while this node was
     cut off); the agent stays, ready to start new ones."""
 
-    Reply: ClassVar[Any] = None
 
 
-class ShutdownNode(Message):
+class ShutdownNode(Message[None]):
     """Stop every process this agent started, then the agent's own process (the launcher exits)."""
 
     reason: str = "the run is over"
-    Reply: ClassVar[Any] = None
 
 
 CHUNK_BYTES = 8 << 20  # a file travels in pieces of this size (well under the runtime's message limit)
@@ -109,17 +105,16 @@ class FileStat(msgspec.Struct, frozen=True, kw_only=True):
     sha256: str = ""  # set on a file being sent (checked on arrival), or to compare contents too
 
 
-class MissingFiles(Message):
+class MissingFiles(Message[list[str]]):
     """Which of these files this node lacks in `folder`: absent, or of another size or modification
     time (rsync's quick check: a shared filesystem or an earlier copy passes it without reading a
     byte), or of another SHA-256 where one is given."""
 
     folder: str
     files: list[FileStat]
-    Reply: ClassVar[Any] = list[str]
 
 
-class PutFile(Message):
+class PutFile(Message[None]):
     """A piece of a file for `folder` on this node; the last piece checks the SHA-256, gives the file
     its source's modification time and puts it in place (until then it is a hidden partial file)."""
 
@@ -127,7 +122,6 @@ class PutFile(Message):
     file: FileStat
     offset: int
     data: bytes
-    Reply: ClassVar[Any] = None
 
 
 def _sha256(path: Path) -> str:

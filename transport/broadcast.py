@@ -198,13 +198,14 @@ def recv_buckets(layout: Layout, group: Group = None, src: int = 0,
             else:  # a strided engine view: through a temporary
                 temp = torch.empty(bucket[i].shape, dtype=bucket[i].torch_dtype, device=device)
                 pending.append((_broadcast(_as_bytes(temp), src, group), _as_bytes(temp), [(targets[i], bucket[i])]))
-    for work, flat, unpack in pending:
+    for work, piece, unpack in pending:
         work.wait()
-        _unpack(flat, unpack)
+        if piece is not None:  # None: received in place, nothing to unpack
+            _unpack(piece, unpack)
     return received
 
 
-def _unpack(flat: torch.Tensor | None, into: list[tuple[torch.Tensor, TensorSpec]]) -> None:
+def _unpack(flat: torch.Tensor, into: list[tuple[torch.Tensor, TensorSpec]]) -> None:
     offset = 0
     for target, spec in into:
         chunk = flat[offset:offset + spec.nbytes]

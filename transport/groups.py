@@ -25,9 +25,13 @@ import errno
 import ipaddress
 import logging
 import socket
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:  # the C++ backend class (gloo's, NCCL's); `dist.Backend` is the enum of backend names
+    from torch._C._distributed_c10d import Backend
 
 BACKENDS = ("gloo", "nccl")
 LISTEN_BACKLOG = 2048  # torch's own store server listens with this backlog
@@ -41,7 +45,8 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except socket.gaierror:
         return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+    # str(): typeshed's sockaddr also allows the int of a non-IP family, which SOCK_STREAM lookups never give
+    return bool(infos) and all(ipaddress.ip_address(str(info[4][0]).split("%")[0]).is_loopback for info in infos)
 
 
 def bound_listener(host: str, port: int) -> socket.socket:
@@ -89,9 +94,9 @@ def listening_store(host: str, port: int, world_size: int | None, timeout_s: flo
 class WeightGroup:
     """A standalone process group; transport.broadcast calls `start_broadcast` on it."""
 
-    def __init__(self, pg: dist.ProcessGroup, rank: int, world_size: int, backend: str,
+    def __init__(self, pg: Backend, rank: int, world_size: int, backend: str,
                  store: dist.Store | None = None) -> None:
-        self.pg = pg
+        self.pg: Backend | None = pg  # None once closed
         self.rank = rank
         self.world_size = world_size
         self.backend = backend
@@ -123,10 +128,14 @@ class WeightGroup:
         if store is None:
             store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         prefixed = dist.PrefixStore(name, store)
+        pg: Backend
+        # The type: ignores below: torch's stubs (torch/_C/_distributed_c10d.pyi) lack what its
+        # pybind classes have: NCCL's default `options`, gloo's `_Options` and its constructor
+        # overload that takes them.
         if backend == "nccl":
-            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size)  # type: ignore[call-arg]
         elif local_host:
-            options = dist.ProcessGroupGloo._Options()
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
             options._timeout = timeout
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
@@ -138,7 +147,9 @@ class WeightGroup:
         """Start broadcasting `tensor` from group rank `src`; `.wait()` on the result."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        return self.pg.broadcast([tensor], opts)
+        assert self.pg is not None, "broadcast on a closed WeightGroup"
+        # torch's stubs declare `broadcast` on ProcessGroup only; its Backend pybind class has it too
+        return self.pg.broadcast([tensor], opts)  # type: ignore[attr-defined]
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         self.start_broadcast(tensor, src).wait()
@@ -148,5 +159,5 @@ class WeightGroup:
         shutdown = getattr(self.pg, "shutdown", None)
         if shutdown is not None:
             shutdown()
-        self.pg = None  # type: ignore[assignment]
+        self.pg = None
         self._store = None

@@ -34,6 +34,7 @@ Try it: `python -c "from miles_async.transport.rdma import list_devices; print(l
 from __future__ import annotations
 
 import bisect
+import functools
 import importlib
 import random
 import time
@@ -338,7 +339,7 @@ def drive_writes(requests: Sequence[WorkRequest], num_buckets: int, *, depth: in
     for b in range(num_buckets):
         last_old = bisect.bisect_right(bucket_of, b - 2) - 1  # requests are in bucket order
         if last_old >= 0:
-            wait(lambda k=last_old: window.done(k))
+            wait(functools.partial(window.done, last_old))
         pack(b)
         while next_wr < len(requests) and requests[next_wr].bucket == b:
             wait(lambda: window.room() > 0)

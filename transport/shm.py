@@ -37,6 +37,7 @@ import struct
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from multiprocessing import resource_tracker, shared_memory
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,7 +66,8 @@ def _dtype(name: str) -> torch.dtype:
 
 def _layout(specs: TensorSpecs) -> tuple[dict, int]:
     """The manifest (absolute offsets) and the segment's size in bytes."""
-    relative, offset = [], 0
+    relative: list[dict[str, Any]] = []
+    offset = 0
     for name, (shape, dtype) in specs.items():
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"spec for {name!r} must be (shape, torch.dtype), got dtype {dtype!r}")
@@ -83,6 +85,13 @@ def _layout(specs: TensorSpecs) -> tuple[dict, int]:
         if needed <= header_bytes:
             return manifest, header_bytes + max(offset, 1)
         header_bytes = needed
+
+
+def _buf(segment: shared_memory.SharedMemory) -> memoryview:
+    """The segment's mapping (`buf` is None once the segment is closed)."""
+    if segment.buf is None:
+        raise TransportError(f"shared weight segment {segment.name!r} is closed")
+    return segment.buf
 
 
 def _open_untracked(name: str) -> shared_memory.SharedMemory:
@@ -118,7 +127,7 @@ class SharedWeights:
             # Through numpy, not torch.frombuffer: numpy holds a buffer export on the mapping, so
             # unmapping it under a live view fails with BufferError instead of leaving a dangling
             # pointer (torch.frombuffer keeps none). uint8 first: numpy has no bfloat16.
-            raw = np.frombuffer(segment.buf, dtype=np.uint8, count=entry["nbytes"], offset=entry["offset"])
+            raw = np.frombuffer(_buf(segment), dtype=np.uint8, count=entry["nbytes"], offset=entry["offset"])
             self.tensors[entry["name"]] = torch.from_numpy(raw).view(dtype).view(entry["shape"])
 
     @property
@@ -134,8 +143,9 @@ class SharedWeights:
         manifest, size = _layout(specs)
         segment = shared_memory.SharedMemory(name=name, create=True, size=size)
         payload = json.dumps(manifest).encode()
-        segment.buf[_PREFIX.size:_PREFIX.size + len(payload)] = payload
-        _PREFIX.pack_into(segment.buf, 0, 0, len(payload))
+        buf = _buf(segment)
+        buf[_PREFIX.size:_PREFIX.size + len(payload)] = payload
+        _PREFIX.pack_into(buf, 0, 0, len(payload))
         return cls(segment, manifest, owner=True)
 
     @classmethod
@@ -150,9 +160,10 @@ class SharedWeights:
             segment = _open_untracked(segment_name)
         except FileNotFoundError as exc:
             raise TransportError(f"no shared weight segment named {segment_name!r} on this node") from exc
-        _, manifest_len = _PREFIX.unpack_from(segment.buf, 0)
+        buf = _buf(segment)
+        _, manifest_len = _PREFIX.unpack_from(buf, 0)
         try:
-            manifest = json.loads(bytes(segment.buf[_PREFIX.size:_PREFIX.size + manifest_len]))
+            manifest = json.loads(bytes(buf[_PREFIX.size:_PREFIX.size + manifest_len]))
         except (ValueError, UnicodeDecodeError) as exc:
             segment.close()
             raise TransportError(f"segment {segment_name!r} has no readable weight manifest") from exc
@@ -163,10 +174,10 @@ class SharedWeights:
     @property
     def seq(self) -> int:
         """The raw write counter: odd while a write is under way (or after one died), even when complete."""
-        return _SEQ.unpack_from(self._segment.buf, 0)[0]
+        return _SEQ.unpack_from(_buf(self._segment), 0)[0]
 
     def _set_seq(self, value: int) -> None:
-        _SEQ.pack_into(self._segment.buf, 0, value)
+        _SEQ.pack_into(_buf(self._segment), 0, value)
 
     @property
     def complete(self) -> bool:

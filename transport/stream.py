@@ -34,9 +34,10 @@ class StreamServer:
     """Serves one version's tensors (bucket by bucket, tensor by tensor) to each engine that asks."""
 
     def __init__(self, host: str, keys: Any, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
-        self._frames = [t.detach().contiguous().cpu().view(torch.uint8).numpy() for bucket in buckets
+        # the arrays' memoryviews (`.data`): numpy's stubs declare ndarray a Buffer only on Python 3.12+
+        self._frames = [t.detach().contiguous().cpu().view(torch.uint8).numpy().data for bucket in buckets
                         for _, t in bucket]
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if keys is not None:
@@ -73,7 +74,7 @@ class StreamServer:
 def receive(address: str, keys: Any, layout: Layout, target: dict[str, torch.Tensor],
             timeout_s: float) -> list[str]:
     """Fetch one version from `address` into `target` (names as in `layout`); the names written."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         if keys is not None:

@@ -114,6 +114,9 @@ class Actor:
     #: How many of one sender's messages may wait unfinished in this actor's mailbox; a
     #: sender past it blocks in `tell`/`ask` (or `tell_nowait` raises `MailboxFullError`).
     mailbox_capacity: ClassVar[int] = 1024
+    # The handler table, set on each class by `handler_table()` (declared only: no default, so
+    # that Actor itself, which has no handlers, has none).
+    _miles_table: ClassVar[_Table]
 
     name: str
     system: ActorSystem

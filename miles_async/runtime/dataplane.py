@@ -351,9 +351,9 @@ class DataPlane:
         if ref.offset < 0 or ref.size < 0:
             raise ValueError(f"{_describe(ref)} is not a blob: negative offset or size")
         if ref.owner == self._system.address:
-            view = self._own_view(ref)
+            own = self._own_view(ref)
             self._num_mapped_reads += 1
-            return view
+            return own
         view = self._peer_view(ref)
         if view is not None:
             self._num_mapped_reads += 1

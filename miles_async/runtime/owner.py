@@ -240,6 +240,7 @@ class Supervisor:
             await asyncio.sleep(0.005)
         code = proc.exitcode
         if code is not None:  # the data-plane segments a killed child could not unlink; at once,
+            assert proc.pid is not None  # it exited, so it was started and has a pid
             self.system.dataplane.reap_process(proc.pid)  # before its pid is handed out again
         if code is not None and code < 0:
             how = f"was killed by signal {signal.Signals(-code).name}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import zmq
@@ -22,6 +22,8 @@ from miles_async.runtime.messages import ActorAddress, Message
 
 if TYPE_CHECKING:
     from miles_async.runtime.system import ActorSystem
+
+R = TypeVar("R")
 
 
 class Link:
@@ -115,8 +117,8 @@ class ActorRef:
         """Like `tell`, but raises `MailboxFullError` instead of waiting for room."""
         self._system._send(self._link_with_room(), self, wire.TELL, msg, None, None)
 
-    async def ask(self, msg: Message, *, timeout_s: float | None = None) -> Any:
-        """Send and wait for the handler's return value (decoded as `type(msg).Reply`).
+    async def ask(self, msg: Message[R], *, timeout_s: float | None = None) -> R:
+        """Send and wait for the handler's return value (decoded as the message's reply type R).
 
         Waits while the target's mailbox is full. Raises `RemoteError` if the handler raised,
         `ActorDeadError` if the actor or its process died (with the root cause),
@@ -131,7 +133,7 @@ class ActorRef:
             timeout = await self._system._wait_room(link, self, timeout)
         return await self._ask(link, msg, timeout)
 
-    def ask_future(self, msg: Message, *, timeout_s: float | None = None) -> asyncio.Future[Any]:
+    def ask_future(self, msg: Message[R], *, timeout_s: float | None = None) -> asyncio.Future[R]:
         """Send an ask now and return the future of its reply (for pipelining many asks).
 
         Raises `MailboxFullError` instead of waiting when the target's mailbox is full; the
@@ -149,9 +151,9 @@ class ActorRef:
                 f"mailbox of actor {self.name!r} is full ({self.capacity} unfinished messages from this process)")
         return link
 
-    def _ask(self, link: Link, msg: Message, timeout_s: float) -> asyncio.Future[Any]:
+    def _ask(self, link: Link, msg: Message[R], timeout_s: float) -> asyncio.Future[R]:
         loop = self._system.loop
-        fut = loop.create_future()
+        fut: asyncio.Future[R] = loop.create_future()  # resolved with the reply decoded as R (system.py)
         timer = loop.call_later(timeout_s, _expire, fut, self.name, timeout_s)
         try:
             self._system._send(link, self, wire.ASK, msg, fut, timer)

@@ -171,7 +171,7 @@ class ActorSystem:
         self._owns_run_dir = False
         self.run_dir = ""
         self.address = ""
-        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
         self._router_scheduled = False
@@ -265,7 +265,7 @@ class ActorSystem:
             port = self.address.rsplit(":", 1)[1]
             self.address = f"tcp://{self.config.advertise_host}:{port}"
         self._router = sock
-        self.loop.add_reader(sock.getsockopt(zmq.FD), self._drain_router)
+        self.loop.add_reader(sock.fileno(), self._drain_router)
 
     async def close(self) -> None:
         """Stop every hosted actor (owned children first), child processes, then the sockets."""
@@ -295,7 +295,7 @@ class ActorSystem:
                 self._close_link_socket(link)
             self._fail_link(link, wire.problem("SystemClosed", f"actor system {self.name!r} closed"))
         if self._router is not None:
-            self.loop.remove_reader(self._router.getsockopt(zmq.FD))
+            self.loop.remove_reader(self._router.fileno())
             self._router.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
@@ -662,16 +662,17 @@ class ActorSystem:
             # messaged (a spawn in flight when the system closed) needs one to its host
             if not self._started or (self._closed is not None and self._closed.is_set()):
                 raise RuntimeError(f"actor system {self.name!r} is not running (use `async with ActorSystem()`)")
-            link = Link(address, self._connect(address), self.loop.time())
+            sock = self._connect(address)
+            link = Link(address, sock, self.loop.time())
             self._links[address] = link
-            self.loop.add_reader(link.sock.getsockopt(zmq.FD), self._drain_link, link)
+            self.loop.add_reader(sock.fileno(), self._drain_link, link)
         return link
 
     def _connect(self, address: str) -> zmq.Socket:
         assert self._ctx is not None
         if not address.startswith(("ipc://", "tcp://")):
             raise ValueError(f"bad actor address {address!r}: expected ipc://PATH or tcp://HOST:PORT")
-        sock = self._ctx.socket(zmq.DEALER)
+        sock: zmq.Socket = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # bounded by the per-target windows instead
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -811,7 +812,7 @@ class ActorSystem:
         # runs requests that were already failed here
         self._close_link_socket(link)
         link.sock = self._connect(link.address)
-        self.loop.add_reader(link.sock.getsockopt(zmq.FD), self._drain_link, link)
+        self.loop.add_reader(link.sock.fileno(), self._drain_link, link)
         self._fail_link(link, cause)
         self._ping(link)  # answered only if the peer comes back (e.g. restarted at this address)
 
@@ -847,7 +848,7 @@ class ActorSystem:
     def _close_link_socket(self, link: Link) -> None:
         assert link.sock is not None
         if not link.sock.closed:
-            self.loop.remove_reader(link.sock.getsockopt(zmq.FD))
+            self.loop.remove_reader(link.sock.fileno())
             link.sock.close(linger=0)
 
     async def _heartbeats(self) -> None:

@@ -22,7 +22,8 @@ import socket
 import struct
 import tempfile
 import uuid
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, cast
 
 import msgspec
 import zmq
@@ -46,7 +47,10 @@ MAX_ROUTE_BYTES = 255
 # The Cython methods under pyzmq's Python layer: the same calls without its per-call overhead
 # (several microseconds each, more than libzmq's own work for a small frame).
 _Raw = zmq.backend.Socket if issubclass(zmq.Socket, zmq.backend.Socket) else zmq.Socket
-raw_send, raw_recv, raw_get = _Raw.send, _Raw.recv, _Raw.get
+raw_send, raw_recv = _Raw.send, _Raw.recv
+# pyzmq types `get` as returning `int | bytes` whatever the option; the options read with it
+# (EVENTS, RCVMORE) are ints.
+raw_get = cast("Callable[[zmq.Socket, int], int]", _Raw.get)
 NOBLOCK, SNDMORE_NOBLOCK = int(zmq.NOBLOCK), int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 EVENTS, RCVMORE, POLLIN = int(zmq.EVENTS), int(zmq.RCVMORE), int(zmq.POLLIN)
 

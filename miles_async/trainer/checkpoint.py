@@ -105,7 +105,7 @@ def load(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer)
         raise ValueError(f"{folder} is not a finished checkpoint (no {META}); use checkpoint.latest(root)")
     meta = json.loads((folder / META).read_text())
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}  # dcp.load fills it in place
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng_file = folder / f"rng_rank{dist.get_rank()}.pt"

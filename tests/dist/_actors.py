@@ -42,13 +42,12 @@ class ReadInfo(msgspec.Struct, frozen=True, kw_only=True):
 # -- messages -------------------------------------------------------------------------------
 
 
-class Add(Message):
+class Add(Message[int]):
     amount: int
-    Reply: ClassVar[Any] = int
 
 
-class Get(Message):
-    Reply: ClassVar[Any] = int
+class Get(Message[int]):
+    """The counter's value."""
 
 
 class Record(Message):
@@ -57,17 +56,16 @@ class Record(Message):
     seq: int
 
 
-class Stats(Message):
-    Reply: ClassVar[Any] = CounterStats
+class Stats(Message[CounterStats]):
+    """The actor's counters."""
 
 
-class Pid(Message):
-    Reply: ClassVar[Any] = int
+class Pid(Message[int]):
+    """The process id of the actor's process."""
 
 
-class GetEnv(Message):
+class GetEnv(Message[Any]):
     name: str
-    Reply: ClassVar[Any] = Any
 
 
 class Boom(Message):
@@ -82,21 +80,18 @@ class Crash(Message):
     text: str
 
 
-class Sleep(Message):
+class Sleep(Message[float]):
     seconds: float
-    Reply: ClassVar[Any] = float
 
 
-class Blob(Message):
+class Blob(Message[int]):
     data: bytes
-    Reply: ClassVar[Any] = int
 
 
-class Fill(Message):
+class Fill(Message[bytes]):
     """Ask for `num_bytes` bytes back (a reply may be too large to send)."""
 
     num_bytes: int
-    Reply: ClassVar[Any] = bytes
 
 
 class Unhandled(Message):
@@ -119,20 +114,18 @@ class CloseGate(Message):
     pass
 
 
-class Held(Message):
-    Reply: ClassVar[Any] = list[int]
+class Held(Message[list[int]]):
+    """How many asks the gate holds."""
 
 
-class PutRandom(Message):
+class PutRandom(Message[PutInfo]):
     """Put `num_bytes` random bytes into the receiver's data plane."""
 
     num_bytes: int
-    Reply: ClassVar[Any] = PutInfo
 
 
-class ReadRef(Message):
+class ReadRef(Message[ReadInfo]):
     ref: BlobRef
-    Reply: ClassVar[Any] = ReadInfo
 
 
 class FreeRefs(Message):
@@ -141,14 +134,13 @@ class FreeRefs(Message):
     refs: list[BlobRef]
 
 
-class PlaneStats(Message):
-    Reply: ClassVar[Any] = DataPlaneStats
+class PlaneStats(Message[DataPlaneStats]):
+    """The data plane's stats in the actor's process."""
 
 
-class Family(Message):
+class Family(Message[list[int]]):
     """Ask a parent actor for its pid and its own child process's pid."""
 
-    Reply: ClassVar[Any] = list[int]
 
 
 # -- actors ---------------------------------------------------------------------------------

@@ -36,29 +36,29 @@ def arun(coro):
     return run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
-class Add(Message):
+class Add(Message[int]):
     amount: int
-    Reply: ClassVar[Any] = int
 
 
-class Get(Message):
-    Reply: ClassVar[Any] = int
+class Get(Message[int]):
+    """The counter's value."""
 
 
-class Stats(Message):
-    class Reply(msgspec.Struct, frozen=True):
-        count: int
-        seen: list[int]
+class StatsReply(msgspec.Struct, frozen=True):
+    count: int
+    seen: list[int]
+
+
+class Stats(Message[StatsReply]):
+    """The counter's value and every amount added."""
 
 
 class Boom(Message):
     text: str
 
 
-class Wait(Message):
+class Wait(Message[int]):
     """Block until the actor's gate opens; replies the number of handlers running at once."""
-
-    Reply: ClassVar[Any] = int
 
 
 class Open(Message):
@@ -101,8 +101,8 @@ class Counter(Actor):
         return self.count
 
     @handler
-    async def stats(self, msg: Stats) -> Stats.Reply:
-        return Stats.Reply(count=self.count, seen=self.seen)
+    async def stats(self, msg: Stats) -> StatsReply:
+        return StatsReply(count=self.count, seen=self.seen)
 
     @handler
     async def boom(self, msg: Boom) -> None:
@@ -121,6 +121,29 @@ class Counter(Actor):
     @handler(concurrent=True)
     async def open(self, msg: Open) -> None:
         self.gate.set()
+
+
+class Point(msgspec.Struct, frozen=True, kw_only=True):
+    x: int
+    y: int
+
+
+class GetPoint(Message[Point]):
+    """Replied with a Point."""
+
+
+class Misdeclared(Message[Point]):
+    """Declares a Point reply, but its handler returns a str."""
+
+
+class Shapes(Actor):
+    @handler
+    def point(self, msg: GetPoint) -> Point:
+        return Point(x=1, y=2)
+
+    @handler
+    def misdeclared(self, msg: Misdeclared) -> str:
+        return "not a point"
 
 
 class FailingStart(Actor):
@@ -164,7 +187,7 @@ def test_tell_ask_and_typed_replies():
             await c.tell(Add(amount=1))
             assert await c.ask(Get()) == 8
             stats = await c.ask(Stats())
-            assert stats == Stats.Reply(count=8, seen=[2, 1])
+            assert stats == StatsReply(count=8, seen=[2, 1])
             assert c.is_local and (await system.lookup("c")) == c
 
     arun(scenario())
@@ -338,7 +361,7 @@ def test_two_systems_in_one_process_talk_over_real_sockets(transport):
             remote = await a.lookup("c")
             assert not remote.is_local and remote.address.startswith(f"{transport}://")
             assert await remote.ask(Add(amount=3)) == 3
-            assert await remote.ask(Stats()) == Stats.Reply(count=3, seen=[3])
+            assert await remote.ask(Stats()) == StatsReply(count=3, seen=[3])
             futures = [remote.ask_future(Add(amount=1)) for _ in range(100)]
             assert (await asyncio.gather(*futures))[-1] == 103
             with pytest.raises(RemoteError, match="ValueError"):
@@ -357,6 +380,24 @@ def test_two_systems_in_one_process_talk_over_real_sockets(transport):
             await _until(lambda: remote._link.used.get("c") == 0)  # the tells were answered too
             with pytest.raises(ActorDeadError):
                 await remote.ask(Get())
+
+    arun(scenario())
+
+
+def test_a_reply_is_decoded_as_the_declared_reply_type():
+    async def scenario():
+        cfg = RuntimeConfig(transport="ipc")
+        async with ActorSystem("a", config=cfg) as a, ActorSystem("b", config=cfg, directory=a.address) as b:
+            await b.spawn(Shapes, "shapes")
+            remote = await a.lookup("shapes")
+            assert not remote.is_local  # over the wire, where replies are decoded
+            assert GetPoint.Reply is Point and Stats.Reply is StatsReply and Open.Reply is Any
+            point = await remote.ask(GetPoint())
+            assert type(point) is Point and point == Point(x=1, y=2)  # the struct, not a dict of its fields
+            with pytest.raises(BadMessageError, match=r"reply from actor 'shapes' does not decode: "
+                                                      r"Expected `object`, got `str`"):
+                await remote.ask(Misdeclared())
+            assert await remote.ask(GetPoint()) == Point(x=1, y=2)  # the refusal is the caller's alone
 
     arun(scenario())
 
