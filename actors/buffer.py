@@ -11,19 +11,21 @@ were dropped and whether to generate them again (`GroupsDropped`). The decisions
 unanswered until a `GetBatch` makes room (backpressure on the scheduler's put; its sample slots were
 already freed, and admission control still bounds the groups pending),
 and a `GetBatch` waits until B groups are there (or its timeout passes: it then answers with
-what is there only if `allow_partial`). The sample data (token ids, log-probs) rides in the
-group as `SampleOut` payloads, plain lists, never tensors.
+what is there only if `allow_partial`). A group holds its samples' `Trajectory` records, typed
+wherever the buffer runs; their token arrays stay in the data plane of the process that made
+them, and the buffer frees those of every group it drops (aborted, filtered, stale).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import msgspec
 
 from miles_async.policies.buffer import BufferConfig, BufferMetrics, BufferPolicy, Drawn, Group
 from miles_async.runtime import Actor, ActorRef, Clock, Message, RealClock, handler
+from miles_async.trajectory import blobs
 
 
 class PutReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -37,27 +39,30 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
     waited_s: float  # how long the trainer waited for data
 
 
-class PutGroup(Message):
+class PutGroup(Message[PutReply], frozen=True):
     group: Group
-    Reply: ClassVar[Any] = PutReply
 
 
-class GetBatch(Message):
+class GetBatch(Message[Batch], frozen=True):
     batch_groups: int
     trainer_version: int
     timeout_s: float = 600.0
     allow_partial: bool = False
-    Reply: ClassVar[Any] = Batch
 
 
-class GroupsDropped(Message):
+class GroupsDropped(Message, frozen=True):
     prompt_ids: list[int]
     retry: bool
     reason: str
 
 
-class BufferStats(Message):
-    Reply: ClassVar[Any] = dict
+class BufferState(msgspec.Struct, frozen=True, kw_only=True):
+    num_groups: int  # waiting for a batch
+    dropped: dict[str, int]  # groups dropped since the start, by reason (aborted, filtered, stale)
+
+
+class BufferStats(Message[BufferState], frozen=True):
+    """What the buffer holds and has dropped."""
 
 
 class Buffer(Actor):
@@ -77,6 +82,9 @@ class Buffer(Actor):
         self.changed.set()
         self.changed = asyncio.Event()
 
+    def _free(self, groups: list[Group]) -> None:
+        self.system.dataplane.free(blobs(s for g in groups for s in g.samples))
+
     async def _tell_dropped(self, prompt_ids: list[int], retry: bool, reason: str) -> None:
         if prompt_ids:
             self.dropped[reason] = self.dropped.get(reason, 0) + len(prompt_ids)
@@ -92,6 +100,7 @@ class Buffer(Actor):
                 break
             await self.changed.wait()  # backpressure: answered once a get makes room
         if decision.status == "dropped":
+            self._free([msg.group])
             await self._tell_dropped([msg.group.prompt_id], decision.retry, decision.reason or "aborted")
             return PutReply(status="dropped", reason=decision.reason or "")
         self._notify()
@@ -109,6 +118,7 @@ class Buffer(Actor):
         while True:
             drawn: Drawn = self.policy.get(msg.batch_groups, msg.trainer_version, now=self.clock.now(),
                                            allow_partial=msg.allow_partial)
+            self._free(drawn.stale)
             await self._tell_dropped(drawn.retry, True, "stale")
             await self._tell_dropped(drawn.discarded, False, "stale")
             if drawn.groups:
@@ -127,5 +137,5 @@ class Buffer(Actor):
                 continue
 
     @handler
-    async def stats(self, msg: BufferStats) -> dict:
-        return {"num_groups": self.policy.num_groups, "dropped": dict(self.dropped)}
+    async def stats(self, msg: BufferStats) -> BufferState:
+        return BufferState(num_groups=self.policy.num_groups, dropped=dict(self.dropped))

@@ -29,12 +29,13 @@ import asyncio
 import functools
 import logging
 import os
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 import torch
 
 from miles_async.engine import compute
+from miles_async.engine.client import EngineOutput
 from miles_async.engine.core import Engine, EngineConfig
 from miles_async.engine.request import GenerateRequest
 from miles_async.engine.server import EngineServer
@@ -62,53 +63,39 @@ class EngineState(msgspec.Struct, frozen=True, kw_only=True):
     pid: int = 0  # the engine's process
 
 
-class GenerateReply(msgspec.Struct, frozen=True, kw_only=True):
-    output_ids: list[int]
-    output_token_logprobs: list[float] | None
-    finish_reason: str | None
-    weight_version: str
-    text: str = ""
-    weight_versions: list[int] = []  # every version the tokens were sampled under
-    routed_experts: bytes = b""  # MoE, when asked: int32 little-endian [tokens - 1, MoE layers, top_k]
-
-
 # -- messages -------------------------------------------------------------------------------
 
 
-class Generate(Message):
+class Generate(Message[EngineOutput], frozen=True):
     request: GenerateRequest
-    Reply: ClassVar[Any] = GenerateReply
 
 
-class EngineStatus(Message):
-    Reply: ClassVar[Any] = EngineState
+class EngineStatus(Message[EngineState], frozen=True):
+    """The engine's state (version, pause, torn weights, URL)."""
 
 
-class PauseEngine(Message):
+class PauseEngine(Message[EngineState], frozen=True):
     mode: str = "in_place"
-    Reply: ClassVar[Any] = EngineState
 
 
-class ResumeEngine(Message):
-    Reply: ClassVar[Any] = EngineState
+class ResumeEngine(Message[EngineState], frozen=True):
+    """Resume generation after a pause."""
 
 
-class BeginUpdate(Message):
+class BeginUpdate(Message[EngineState], frozen=True):
     version: int
     lease_s: float = 300.0  # abort the update if no CommitUpdate arrives in time
-    Reply: ClassVar[Any] = EngineState
 
 
-class ReceiveStream(Message):
+class ReceiveStream(Message[EngineState], frozen=True):
     """Fetch the update from the pusher's CURVE-authenticated stream at `address` (transport "stream")."""
 
     address: str
     layout_json: str
     timeout_s: float = 300.0
-    Reply: ClassVar[Any] = EngineState
 
 
-class ReceiveBroadcast(Message):
+class ReceiveBroadcast(Message[EngineState], frozen=True):
     """Join the pusher's group (once; kept for later updates) and receive `layout` into the update."""
 
     host: str
@@ -119,42 +106,36 @@ class ReceiveBroadcast(Message):
     layout_json: str
     backend: str = "gloo"
     timeout_s: float = 300.0
-    Reply: ClassVar[Any] = EngineState
 
 
-class LoadWeightsFile(Message):
+class LoadWeightsFile(Message[EngineState], frozen=True):
     """Write a safetensors file's tensors into the update in progress (the disk transports' full copy)."""
 
     path: str
-    Reply: ClassVar[Any] = EngineState
 
 
-class ApplyDelta(Message):
+class ApplyDelta(Message[EngineState], frozen=True):
     """Apply a disk delta written against this engine's version (no BeginUpdate needed)."""
 
     folder: str
-    Reply: ClassVar[Any] = EngineState
 
 
-class CommitUpdate(Message):
+class CommitUpdate(Message[EngineState], frozen=True):
     checksums: dict[str, str] | None = None  # verify against these before going live
-    Reply: ClassVar[Any] = EngineState
 
 
-class AbortUpdate(Message):
+class AbortUpdate(Message[EngineState], frozen=True):
     reason: str
-    Reply: ClassVar[Any] = EngineState
 
 
-class RandomFill(Message):
+class RandomFill(Message[EngineState], frozen=True):
     """Overwrite the live weights with seeded noise (the start of the verification check)."""
 
     seed: int
-    Reply: ClassVar[Any] = EngineState
 
 
-class GetChecksums(Message):
-    Reply: ClassVar[Any] = dict[str, str]
+class GetChecksums(Message[dict[str, str]], frozen=True):
+    """A checksum of every weight the engine serves."""
 
 
 class RdmaTarget(msgspec.Struct, frozen=True, kw_only=True):
@@ -164,15 +145,14 @@ class RdmaTarget(msgspec.Struct, frozen=True, kw_only=True):
     tensors: dict[str, tuple[int, int, int]]  # name -> (region id, offset, nbytes), for rdma_plan.plan_writes
 
 
-class ConnectRdma(Message):
+class ConnectRdma(Message[RdmaTarget], frozen=True):
     """Register the update's target memory and connect a queue pair to the pusher's (`[rdma]` extra)."""
 
     pusher: Any  # transport.rdma.EndpointInfo
-    Reply: ClassVar[Any] = RdmaTarget
 
 
 def _experts_bytes(experts_TLk: torch.Tensor | None) -> bytes:
-    """Routed experts as TrainSample carries them: int32 little-endian, C order."""
+    """Routed experts as SGLang reports them: int32 little-endian, C order."""
     if experts_TLk is None:
         return b""
     return experts_TLk.to(torch.int32).contiguous().numpy().astype("<i4").tobytes()
@@ -186,14 +166,12 @@ class EngineActor(Actor):
 
     engine: Engine
 
-    def __init__(self, model_dir: str, config: EngineConfig | None = None, *, dtype: str = "float32",
+    def __init__(self, model_dir: str, config: EngineConfig | None = None, *,
                  http_host: str = "127.0.0.1", http_port: int | None = None, num_threads: int = 0,
                  api_key: str | None = None) -> None:
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         self.model_dir = model_dir
         self.config = config or EngineConfig()
-        self.dtype = dtype
+        self.dtype = self.config.dtype
         self.http = (http_host, http_port)
         self.api_key = api_key  # required of HTTP clients (a multi-node run's engines listen off loopback)
         self.num_threads = num_threads  # torch threads of the compute thread; 0 leaves torch's default
@@ -244,12 +222,13 @@ class EngineActor(Actor):
     # ----- generation -----
 
     @handler(concurrent=True)
-    async def generate(self, msg: Generate) -> GenerateReply:
+    async def generate(self, msg: Generate) -> EngineOutput:
         out = await self.engine.generate(msg.request)
-        return GenerateReply(output_ids=out.output_ids, output_token_logprobs=out.output_token_logprobs,
-                             finish_reason=(out.finish_reason or {}).get("type"), weight_version=out.weight_version,
-                             text=out.text or "", weight_versions=out.weight_versions,
-                             routed_experts=_experts_bytes(out.routed_experts_TLk))
+        return EngineOutput(output_ids=out.output_ids, output_logprobs=out.output_token_logprobs or [],
+                            finish_reason=(out.finish_reason or {}).get("type") or "abort",
+                            text=out.text or "", weight_versions=out.weight_versions,
+                            routed_experts=_experts_bytes(out.routed_experts_TLk), prompt_tokens=out.prompt_tokens,
+                            cached_tokens=out.cached_tokens)
 
     @handler(concurrent=True)  # read-only: answers even while a long transfer holds the mailbox
     async def status(self, msg: EngineStatus) -> EngineState:

@@ -1,21 +1,29 @@
-"""A run's recipe: one TOML file whose tables fill each component's typed config.
+"""A run's recipe: one TOML file whose tables are the components' own config structs.
 
-    [model]    where the weights come from (a folder, or a fresh `init_model`)
-    [task]     the prompts and the reward function (a dotted path)
-    [agent]    multi-turn: the agent coroutine and its environment (dotted paths), sandboxes
-    [sft]      the warm start before RL (stops when sampled probe accuracy reaches a target)
-    [rollout]  engines, rollout workers, sampling, group size, requests in flight, partial rollouts
-    [buffer]   capacity, what becomes of stale / aborted groups, the filter
-    [loop]     mode (sync | one_step_off | async), max_staleness, steps, batch, checkpoints, seed
-    [trainer]  TrainerConfig (without model_dir: the run sets it)
-    [weights]  WeightSyncConfig (without family: read from the model)
-    [eval]     none | shared | dedicated | command, every N steps
-    [placement] multi-node runs: the node of each engine and of the trainer ranks
+    [model]      ModelSection: where the weights come from (a folder, or a fresh `init_model`)
+    [task]       miles_async.task.TaskSpec: the task plug-in, its dataset size, and [task.config]
+                 (the plug-in's own Config)
+    [agent]      actors.rollout.AgentConfig: multi-turn, the agent coroutine and its environment
+    [sft]        actors.warmstart.WarmStartConfig: the warm start before RL
+    [rollout]    actors.rollout.RolloutConfig: engines, workers, sampling, partial rollouts,
+                 [rollout.engine] (engine.core.EngineConfig), [rollout.sampling]
+    [scheduler]  policies.refill.RefillConfig: group size, requests in flight, refill level
+    [buffer]     policies.buffer.BufferConfig: capacity, what becomes of stale / aborted groups, filter
+    [loop]       LoopConfig: mode (sync | one_step_off | async), staleness, steps, batch, checkpoints, seed
+    [trainer]    trainer.config.TrainerConfig: optimizer, loss, dtype, batch-invariant mode, ranks
+    [weights]    actors.weights.WeightSyncConfig: transport, buckets, verification
+    [eval]       actors.evaluation.EvalConfig: none | shared | dedicated | command, every N steps
+    [placement]  actors.fleet.PlacementConfig: multi-node runs, the node of each role
+
+Every default is written once, in the component's struct. A few fields of those structs are set
+by the run from elsewhere (the staleness both the scheduler and the buffer enforce comes from
+`[loop]`; the trainer's model and paths from `[model]` and the run folder; ...): naming one in a
+recipe is an error that says where it comes from (`DERIVED`), never a silent override.
 
 `load_recipe(path, overrides)` reads the file and applies `key=value` overrides (dotted keys,
 TOML values: `loop.num_steps=20`, `rollout.sampling.temperature=0.7`, `eval.mode="shared"`).
-Unknown keys and wrong types fail with the key's path, e.g. `Expected int, got str - at
-$.loop.num_steps`.
+Unknown keys fail with the list of valid ones; wrong types with the key's path, e.g. `Expected
+int, got str - at $.loop.num_steps`.
 
 Try it: `python -c "from miles_async.actors.recipe import load_recipe; print(load_recipe('recipes/reverse.toml'))"`.
 """
@@ -27,71 +35,50 @@ from typing import Any, Literal
 
 import msgspec
 
-from miles_async.actors.rollout import SamplingConfig
-from miles_async.engine.core import EngineConfig
+from miles_async.actors.evaluation import EvalConfig
+from miles_async.actors.fleet import PlacementConfig
+from miles_async.actors.rollout import AgentConfig, RolloutConfig
+from miles_async.actors.warmstart import WarmStartConfig
+from miles_async.actors.weights import WeightSyncConfig
 from miles_async.policies.buffer import BufferConfig
-from miles_async.rl import AdvantageConfig, PolicyLossConfig
-from miles_async.tasks.calculator import CalculatorTaskConfig
-from miles_async.tasks.reverse import ReverseTaskConfig
+from miles_async.policies.refill import RefillConfig
+from miles_async.task import TaskSpec, task_class, task_config
+from miles_async.trainer.config import TrainerConfig
 
 MODES = {"sync": 0, "one_step_off": 1}
+# Fields of the components' structs that the run sets itself, and from what.
+DERIVED = {
+    "scheduler.batch_groups": "loop.batch_groups",
+    "scheduler.max_staleness": "loop.mode / loop.max_staleness",
+    "buffer.max_staleness": "loop.mode / loop.max_staleness",
+    "trainer.model_dir": "model.path (or the model the run makes)",
+    "trainer.checkpoint_dir": "the run folder (--out)",
+    "trainer.weights_dir": "the run folder (--out)",
+    "trainer.shared_file": "the run folder (--out)",
+    "trainer.shared_token": "the run folder (--out)",
+    "trainer.seed": "loop.seed",
+    "trainer.temperature": "rollout.sampling.temperature",
+    "trainer.objective": "the run (sft in the warm start, rl after)",
+    "weights.family": "the model's config.json",
+    "weights.host": "the run's nodes",
+    "weights.pause_mode": "rollout.partial",
+    "weights.delta_dir": "the run folder (--out)",
+    "rollout.engine.shared_weights": 'weights.transport = "shm"',
+}
 
 
 class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The recipe's `[model]`."""
+
     path: str = ""  # a Hugging Face folder; "" makes one with init_model under the run folder
     family: str = "qwen3"
     preset: str = "tiny"
     seed: int = 0
 
 
-class TaskSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    name: Literal["reverse", "calculator"] = "reverse"  # calculator is multi-turn: it needs [agent]
-    reverse: ReverseTaskConfig = ReverseTaskConfig()
-    calculator: CalculatorTaskConfig = CalculatorTaskConfig()
-    num_prompts: int = 20000  # the training set (positions cycle when the run outlasts it)
-    reward: str = "miles_async.tasks.reverse:reward"
+class LoopConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The recipe's `[loop]`: the controller's own settings."""
 
-
-class AgentSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Multi-turn rollouts: each sample is an episode of `agent` in `environment` (dotted paths),
-    talking to the policy through the run's TITO session server."""
-
-    agent: str = ""  # "" = single-turn generation
-    environment: str = ""
-    rollout: str = "miles_async.agents.api:run_episode"  # drives one episode (agents.api.RolloutFn)
-    sandbox: bool = True  # a LocalSandbox per episode for the environment's tools
-
-
-class SFTSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    max_steps: int = 300  # 0 skips the warm start
-    batch_size: int = 32
-    lr: float = 1e-3
-    target_accuracy: float = 0.15  # sampled (temperature 1) accuracy on the probe set that ends it
-    probe_every: int = 10
-    num_probe: int = 64
-
-
-class RolloutSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    num_engines: int = 1
-    num_workers: int = 1
-    # How workers reach embedded engines: "actor" (a message to the EngineActor's mailbox) or
-    # "http" (SGLang's HTTP API, as for a real SGLang server).
-    client: Literal["actor", "http"] = "actor"
-    group_size: int = 8
-    target_in_flight: int = 64
-    max_in_flight_per_engine: int | None = None
-    partial: Literal["continue", "abort_retry"] = "continue"  # requests in flight across a weight update
-    # When a finished sample's slot is refilled: "sample" at once, "group" once its whole group is done.
-    refill: Literal["sample", "group"] = "sample"
-    sampling: SamplingConfig = SamplingConfig()
-    engine: EngineConfig = EngineConfig(kv_cache_mib=16, max_seq_len=64)
-    engine_threads: int = 1
-    # Give every sample its own sampling seed (from loop.seed and prompt, index, attempt), so a run
-    # samples the same whatever the completion order; costs the engine ~10% (a generator per row).
-    seeded: bool = False
-
-
-class LoopSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     mode: Literal["sync", "one_step_off", "async"] = "async"
     max_staleness: int = 2  # used by mode "async" (sync is 0, one_step_off is 1)
     num_steps: int = 100
@@ -99,117 +86,53 @@ class LoopSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     checkpoint_every: int = 0  # 0: only at the end (and on Ctrl-C)
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.num_steps < 0 or self.batch_groups < 1 or self.max_staleness < 0 or self.checkpoint_every < 0:
+            raise ValueError(f"loop.num_steps, max_staleness and checkpoint_every must be >= 0 and batch_groups >= 1, "
+                             f"got {self.num_steps}, {self.max_staleness}, {self.checkpoint_every} and "
+                             f"{self.batch_groups}")
+
     @property
     def staleness(self) -> int:
+        """How many versions generation may run ahead of training: what the scheduler's admission
+        and the buffer's staleness check both enforce."""
         return MODES.get(self.mode, self.max_staleness)
-
-
-class TrainerSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    lr: float = 1e-4
-    micro_batch_tokens: int = 2048
-    num_threads: int = 1
-    world_size: int = 1
-    grad_clip: float = 1.0
-    policy_loss: PolicyLossConfig = PolicyLossConfig()
-    advantage: AdvantageConfig = AdvantageConfig()
-    old_logprobs: Literal["trainer", "rollout"] = "trainer"
-
-
-class WeightsSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    transport: str = "shm"
-    bucket_mib: float = 64.0
-    verify: str = "first"
-    double_buffer: bool = True
-
-
-class EvalSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    mode: Literal["none", "shared", "dedicated", "command"] = "shared"
-    every: int = 20
-    num_prompts: int = 64
-    temperature: float = 0.0
-    command: str = ""  # mode "command": run with {checkpoint} replaced; its last stdout line is {"score": x}
-
-
-class PlacementSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Which node runs what, in a multi-node run (`miles-async launch`; `run` is one node: all 0).
-
-    engines: the node rank of each engine, in order (cycled when shorter than rollout.num_engines;
-        [] puts every engine on the controller's node, 0).
-    trainer: the node of every trainer rank (one number), or of each rank in order (a list of
-        trainer.world_size numbers: ranks spanning nodes). Trainer ranks off node 0 write
-        checkpoints and weight exports that node 0 reads: the run folder must be on a filesystem
-        those nodes share (checked when the ranks start).
-    scheduler, buffer, sessions: the node of the refill scheduler, of the buffer and of the TITO
-        session server (agent runs); each a process of its own off node 0, in the controller's
-        process on node 0.
-    The controller, rollout workers and weight pusher run on node 0.
-    """
-
-    engines: list[int] = []
-    trainer: int | list[int] = 0
-    scheduler: int = 0
-    buffer: int = 0
-    sessions: int = 0
-
-    def __post_init__(self) -> None:
-        trainer = self.trainer if isinstance(self.trainer, list) else [self.trainer]
-        if any(n < 0 for n in (*self.engines, *trainer, self.scheduler, self.buffer, self.sessions)) or not trainer:
-            raise ValueError(f"placement node ranks must be >= 0, got engines={self.engines} trainer={self.trainer} "
-                             f"scheduler={self.scheduler} buffer={self.buffer} sessions={self.sessions}")
-
-    def engine_node(self, index: int) -> int:
-        return self.engines[index % len(self.engines)] if self.engines else 0
-
-    def trainer_nodes(self, world_size: int) -> list[int]:
-        """The node of each trainer rank."""
-        if isinstance(self.trainer, int):
-            return [self.trainer] * world_size
-        if len(self.trainer) != world_size:
-            raise ValueError(f"placement.trainer lists {len(self.trainer)} node(s) but trainer.world_size is "
-                             f"{world_size}: give one node per rank, or one number for all")
-        return list(self.trainer)
-
-    @property
-    def nodes(self) -> set[int]:
-        trainer = self.trainer if isinstance(self.trainer, list) else [self.trainer]
-        return {0, *trainer, *self.engines, self.scheduler, self.buffer, self.sessions}
 
 
 class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model: ModelSection = ModelSection()
-    task: TaskSection = TaskSection()
-    agent: AgentSection = AgentSection()
-    sft: SFTSection = SFTSection()
-    rollout: RolloutSection = RolloutSection()
+    task: TaskSpec = TaskSpec()
+    agent: AgentConfig = AgentConfig()
+    sft: WarmStartConfig = WarmStartConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    scheduler: RefillConfig = RefillConfig()
     buffer: BufferConfig = BufferConfig()
-    loop: LoopSection = LoopSection()
-    trainer: TrainerSection = TrainerSection()
-    weights: WeightsSection = WeightsSection()
-    eval: EvalSection = EvalSection()
-    placement: PlacementSection = PlacementSection()
+    loop: LoopConfig = LoopConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    weights: WeightSyncConfig = WeightSyncConfig()
+    eval: EvalConfig = EvalConfig()
+    placement: PlacementConfig = PlacementConfig()
 
     def __post_init__(self) -> None:
-        if self.loop.num_steps < 0 or self.loop.batch_groups < 1:
-            raise ValueError(f"loop.num_steps must be >= 0 and loop.batch_groups >= 1, got {self.loop.num_steps} "
-                             f"and {self.loop.batch_groups}")
-        if self.rollout.num_engines < 1 or self.rollout.num_workers < 1:
-            raise ValueError("rollout.num_engines and rollout.num_workers must be >= 1")
         if self.buffer.capacity_groups < self.loop.batch_groups:
             raise ValueError(f"buffer.capacity_groups ({self.buffer.capacity_groups}) must hold a batch "
                              f"(loop.batch_groups = {self.loop.batch_groups})")
-        if (self.task.name == "calculator") != bool(self.agent.agent):
-            raise ValueError("task.name = \"calculator\" is multi-turn: it goes with [agent] agent and environment "
-                             "(e.g. miles_async.tasks.calculator:agent and :CalculatorEnv), and only it does")
-        if self.agent.agent and not self.agent.environment:
-            raise ValueError("[agent] agent needs [agent] environment (a dotted path)")
+        multi_turn = bool(getattr(task_class(self.task), "multi_turn", False))
+        if multi_turn != bool(self.agent.agent):
+            raise ValueError(f"task.plugin {self.task.plugin} is {'multi' if multi_turn else 'single'}-turn: "
+                             + ("it needs [agent] agent and environment (e.g. miles_async.tasks.calculator:agent and "
+                                ":CalculatorEnv)" if multi_turn else "[agent] goes only with a multi-turn task"))
+        if self.weights.transport == "colocated":
+            raise ValueError('weights.transport = "colocated" hands the weights over inside one process, but a run '
+                             "puts every engine in a process of its own: use \"shm\" (the engines' weights in shared "
+                             'memory, on one node), "broadcast" or "stream"')
         remote_engines = any(n != 0 for n in self.placement.engines)
-        if remote_engines and self.weights.transport in ("shm", "colocated"):
-            raise ValueError(f"weights.transport = {self.weights.transport!r} needs the engines on the controller's node; "
-                             "with placement.engines on other nodes use \"stream\" (authenticated), \"broadcast\" or "
-                             "\"disk_delta\" (a shared filesystem)")
+        if remote_engines and self.weights.transport == "shm":
+            raise ValueError('weights.transport = "shm" needs the engines on the controller\'s node; with '
+                             'placement.engines on other nodes use "stream" (authenticated), "broadcast" or '
+                             '"disk_delta" (a shared filesystem)')
         self.placement.trainer_nodes(self.trainer.world_size)  # one node per rank, when listed
-        if self.eval.mode == "command" and not self.eval.command:
-            raise ValueError('eval.mode = "command" needs eval.command (with {checkpoint} where the folder goes)')
+        task_config(self.task)  # [task.config] fits the plug-in's Config
 
 
 def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -237,15 +160,18 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def _check_keys(tree: dict[str, Any], cls: type, where: str) -> None:
-    """Unknown keys fail by their path (msgspec checks only structs marked forbid_unknown_fields)."""
+    """Unknown keys fail by their path with the valid ones; keys the run derives name their source."""
     fields = {f.encode_name: f for f in msgspec.structs.fields(cls)}
     for key, value in tree.items():
+        path = f"{where}{key}"
+        if path in DERIVED:
+            raise ValueError(f"{path} is set by the run from {DERIVED[path]}: remove it from the recipe")
         field = fields.get(key)
         if field is None:
-            raise ValueError(f"unknown key {where}{key!r}; {cls.__name__} has: {', '.join(fields)}")
+            raise ValueError(f"unknown key {path!r}; {cls.__name__} has: {', '.join(fields)}")
         kind = field.type
         if isinstance(value, dict) and isinstance(kind, type) and issubclass(kind, msgspec.Struct):
-            _check_keys(value, kind, f"{where}{key}.")
+            _check_keys(value, kind, f"{path}.")
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
@@ -268,4 +194,7 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def dump_recipe(config: RunConfig) -> dict[str, Any]:
-    return msgspec.to_builtins(config)
+    """The resolved recipe (every default filled in, the task's Config too), as plain data."""
+    tree: dict[str, Any] = msgspec.to_builtins(config)  # a struct's builtins: a dict
+    tree["task"]["config"] = msgspec.to_builtins(task_config(config.task))
+    return tree

@@ -1,15 +1,23 @@
-"""`RolloutWorker`: generates one sample per request through an engine's HTTP API and scores it.
+"""`RolloutWorker`: generates one sample per request, scores it, and hands back its `Trajectory`.
 
-    RefillScheduler ──Rollout(prompt, engine, sampling)──► RolloutWorker ──/generate or Generate──► engine
-                    ◄──────────────── SampleOut (tokens, log-probs, versions, reward) ─────┘
+    RefillScheduler ──Rollout(item, engine, sampling)──► RolloutWorker ──Generate or /generate──► engine
+                    ◄── Trajectory (metadata + BlobRef) ──┘   │ token arrays
+                                                             ▼
+                                              this process's data plane (shared memory)
 
 Consumes `Rollout` (many at once: the handler is concurrent; the scheduler bounds how many);
-produces a `SampleOut`. Two ways to an engine: SGLang's HTTP API through `EngineClient` (a real
-SGLang server, or ours: `rollout.client = "http"`), or, for an embedded `EngineActor`, a
-`Generate` message to its mailbox (`"actor"`, the default: ZeroMQ and msgspec instead of HTTP and
-JSON, which measured here let the engine answer about twice the requests per second). The reward function is named in the recipe by a
-dotted path (`package.module:function`), an `async def reward(sample) -> float` given a
-`RewardInput` (the task's prompt, the output text and ids).
+produces a `miles_async.trajectory.Trajectory` whose token arrays it puts into its process's
+data plane: the scheduler, buffer and controller pass the reference on and only the trainer
+rank that trains the sample reads the arrays. Two ways to an embedded engine: a `Generate`
+message to its `EngineActor` (`rollout.client = "actor"`, the default: ZeroMQ and msgspec, about
+twice the requests per second of HTTP and JSON here), or SGLang's HTTP API (`"http"`, as for a
+real SGLang server); both answer an `EngineOutput`.
+
+The task is a plug-in (`miles_async.task`) the worker loads from the recipe's `[task]`: it gives
+the prompt's token ids and the reward. Multi-turn (`[agent]`): each sample is an episode of the
+agent in its environment, talking to the policy through a session of the TITO session server;
+when it is over the worker takes the session's trajectory from the `SessionHost` (arrays in the
+host's data plane) and the reward from the episode.
 
 What can go wrong, and what the scheduler sees: the engine aborts the request (a weight update
 in "abort" mode, a pause, a shutdown): `finish_reason == "abort"`; the engine is unreachable or
@@ -21,29 +29,31 @@ worker goes on serving. In every case the sample counts as aborted and its group
 
 from __future__ import annotations
 
-import base64
-import importlib
-import inspect
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import aiohttp
 import msgspec
+import numpy as np
 
 from miles_async.actors.engine import Generate
-from miles_async.engine.client import EngineClient, EngineHTTPError, bearer
+from miles_async.actors.sessions import TakeSession
+from miles_async.engine.client import EngineClient, EngineHTTPError, EngineOutput, bearer, parse_output
+from miles_async.engine.core import EngineConfig
 from miles_async.engine.request import GenerateRequest
 from miles_async.engine.sampling import SamplingParams
+from miles_async.models.config import ModelConfig
+from miles_async.models.tokenizer import load_tokenizer
 from miles_async.runtime import Actor, ActorError, ActorRef, Message, handler
-from miles_async.tasks.reverse import Prompt
+from miles_async.task import Completion, Task, TaskSpec, decode_item, load_object, load_task
+from miles_async.trajectory import TokenData, Trajectory, VersionSpan, blobs, encode_data
 
 log = logging.getLogger("miles_async.actors.rollout")
-RewardFn = Callable[[Any], Awaitable[float]]
 
 
-class SamplingConfig(msgspec.Struct, frozen=True, kw_only=True):
+class SamplingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The engine's sampling parameters for rollouts (SGLang's names)."""
 
     max_new_tokens: int = 16
@@ -58,114 +68,95 @@ class SamplingConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"SamplingConfig.temperature must be >= 0 (0 is greedy), got {self.temperature}")
 
 
-class RewardInput(msgspec.Struct, frozen=True, kw_only=True):
-    """What a reward function is given."""
+class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The rollout side of a run (the recipe's `[rollout]`): engines, workers and how they sample."""
 
-    prompt: Prompt
-    output_text: str
-    output_ids: list[int]
-    finish_reason: str
+    num_engines: int = 1
+    num_workers: int = 1
+    # How workers reach embedded engines: "actor" (a message to the EngineActor's mailbox) or
+    # "http" (SGLang's HTTP API, as for a real SGLang server).
+    client: Literal["actor", "http"] = "actor"
+    # Requests in flight across a weight update: "continue" (paused in place, they go on under the
+    # new weights: a partial rollout spans versions) or "abort_retry" (aborted, generated again).
+    partial: Literal["continue", "abort_retry"] = "continue"
+    sampling: SamplingConfig = SamplingConfig()
+    engine: EngineConfig = EngineConfig()
+    engine_threads: int = 1  # torch threads of each engine's compute thread
+    # Give every sample its own sampling seed (from loop.seed and prompt, index, attempt), so a run
+    # samples the same whatever the completion order; costs the engine ~10% (a generator per row).
+    seeded: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_engines < 1 or self.num_workers < 1 or self.engine_threads < 0:
+            raise ValueError(f"rollout.num_engines and rollout.num_workers must be >= 1 and rollout.engine_threads "
+                             f">= 0, got {self.num_engines}, {self.num_workers} and {self.engine_threads}")
 
 
-class SampleOut(msgspec.Struct, frozen=True, kw_only=True):
-    """One finished sample: everything the buffer, the trainer and the trace need."""
+class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Multi-turn rollouts (the recipe's `[agent]`): each sample is an episode of `agent` in
+    `environment` (dotted paths), talking to the policy through the run's TITO session server."""
 
+    agent: str = ""  # "" = single-turn generation
+    environment: str = ""
+    rollout: str = "miles_async.agents.api:run_episode"  # drives one episode (agents.api.RolloutFn)
+    sandbox: bool = True  # a LocalSandbox per episode for the environment's tools
+
+    def __post_init__(self) -> None:
+        if self.agent and not self.environment:
+            raise ValueError("[agent] agent needs [agent] environment (a dotted path)")
+
+
+class Rollout(Message[Trajectory], frozen=True):
     request_id: int
-    prompt_index: int  # the dataset position (the refill policy's prompt id)
-    index: int  # which of the group's n samples
-    attempt: int
-    engine: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    output_logprobs: list[float]
-    output_text: str
-    finish_reason: str  # "stop" | "length" | "abort" | "error" | "reward_error"
-    versions: list[int]  # every weight version its tokens were sampled under (one, unless an update came between)
-    reward: float
-    submit_s: float  # time.time() when sent to the engine
-    end_s: float
-    error: str = ""
-    # A multi-turn sample (an agent's session): the whole trajectory as one sequence, its mask (1 on
-    # the tokens the model generated) and the rollout log-prob of every token (0.0 where masked).
-    # Empty for a single turn, which is prompt_ids + output_ids.
-    tokens: list[int] = []
-    loss_mask: list[int] = []
-    token_logprobs: list[float] = []
-    prompt_tokens_sent: int = 0  # multi-turn: prompt tokens of every turn, and how many the prefix cache held
-    cached_tokens: int = 0
-    routed_experts: bytes = b""  # MoE (R3): int32 [tokens - 1, MoE layers, top_k], as TrainSample wants
-
-    @property
-    def aborted(self) -> bool:
-        return self.finish_reason in ("abort", "error", "reward_error")
-
-
-class Rollout(Message):
-    request_id: int
-    prompt_index: int
+    prompt_id: int
     index: int
     attempt: int
     engine: str
     engine_url: str
     engine_version: int  # the engine's weight version when the scheduler sent this
+    item: Any  # the task's item (plain data once it crossed a node)
     sampling: SamplingConfig
-    prompt: Prompt | None = None  # a single-turn prompt, or:
-    task: Any = None  # an agent's task (the environment's own struct; plain data on the wire)
     seed: int | None = None
     engine_actor: str = ""  # an EngineActor's name: ask it directly instead of over HTTP
     routed_experts: bool = False  # MoE: record the experts each token was routed to (R3)
-    Reply: ClassVar[Any] = SampleOut
-
-
-def load_object(path: str, what: str) -> Any:
-    """`package.module:name` -> the object; ValueError naming what is wrong."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{what} {path!r} must look like 'package.module:name'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{what} {path!r}: cannot import {module_name!r} ({e})") from e
-    if not hasattr(module, attr):
-        raise ValueError(f"{what} {path!r}: {module_name} has no {attr!r}")
-    return getattr(module, attr)
-
-
-def load_reward(path: str) -> RewardFn:
-    """`package.module:function` -> the async reward function; ValueError naming what is wrong."""
-    fn = load_object(path, "reward")
-    if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"reward {path!r} must be an `async def (sample) -> float`")
-    return fn
-
-
-def _version(label: str, fallback: int) -> int:
-    return int(label) if label.lstrip("-").isdigit() else fallback
 
 
 class RolloutWorker(Actor):
-    """Generates and scores samples (module docstring); one HTTP client per engine URL."""
+    """Generates and scores samples (module docstring); one HTTP client per engine URL.
+
+    `task` and `model_dir` load the task (with the model's tokenizer); `agent`, `sessions` (the
+    session host's actor name) and `session_url` make it multi-turn; `api_key` is what the engines'
+    and the session server's HTTP APIs want (a multi-node run's)."""
 
     mailbox_capacity: ClassVar[int] = 4096
+    task: Task
 
-    def __init__(self, reward: str, *, timeout_s: float = 600.0, agent: str = "", environment: str = "",
-                 session_url: str = "", sandbox: bool = False,
-                 rollout: str = "miles_async.agents.api:run_episode", api_key: str | None = None) -> None:
-        self.reward_fn = load_reward(reward)
-        self.api_key = api_key  # the engines' HTTP API key (a multi-node run's; the session server's too)
+    def __init__(self, task: TaskSpec, model_dir: str, *, agent: AgentConfig | None = None, sessions: str = "",
+                 session_url: str = "", timeout_s: float = 600.0, api_key: str | None = None) -> None:
+        self.task_spec = task
+        self.model_dir = model_dir
+        self.agent_config = agent or AgentConfig()
+        self.api_key = api_key
         self.timeout_s = timeout_s
-        # Agent mode: each sample is an episode of `agent` in `environment`, talking to the policy
-        # through a session of the TITO server at `session_url`.
-        self.agent = load_object(agent, "agent") if agent else None
-        self.environment_cls = load_object(environment, "environment") if environment else None
-        self.rollout_fn = load_object(rollout, "rollout function") if agent else None
+        self.agent = self.environment_cls = self.rollout_fn = None
+        if self.agent_config.agent:
+            if not sessions or not session_url:
+                raise ValueError("an agent needs the session server (its actor name and URL)")
+            self.agent = load_object(self.agent_config.agent, "agent")
+            self.environment_cls = load_object(self.agent_config.environment, "environment")
+            self.rollout_fn = load_object(self.agent_config.rollout, "rollout function")
+        self.sessions_name = sessions
+        self.sessions: ActorRef | None = None
         self.session_url = session_url.rstrip("/")
-        self.sandbox = sandbox
         self.agent_http: aiohttp.ClientSession | None = None
-        if self.agent is not None and (self.environment_cls is None or not self.session_url):
-            raise ValueError("an agent needs an environment and a session server URL")
         self.clients: dict[str, EngineClient] = {}
         self.engine_refs: dict[str, ActorRef] = {}
+        self.moe_shape: tuple[int, int] | None = None
+
+    async def on_start(self) -> None:
+        tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
+        self.task = load_task(self.task_spec, tokenizer)
+        self.moe_shape = ModelConfig.from_hf(self.model_dir).moe_shape
 
     async def on_stop(self) -> None:
         for client in self.clients.values():
@@ -188,109 +179,99 @@ class RolloutWorker(Actor):
             ref = self.engine_refs[name] = await self.system.lookup(name, timeout_s=self.timeout_s)
         return ref
 
-    async def _generate(self, msg: Rollout) -> tuple[str, list[int], list[float], str, list[int], bytes]:
-        """(finish reason, output ids, log-probs, text, versions, routed experts) from the engine."""
+    async def _generate(self, msg: Rollout, prompt_ids: list[int]) -> EngineOutput:
         s = msg.sampling
         if msg.engine_actor:
             params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                     top_k=s.top_k, sampling_seed=msg.seed)
             ref = await self._engine_ref(msg.engine_actor)
-            assert msg.prompt is not None
-            reply = await ref.ask(Generate(request=GenerateRequest(
-                input_ids=msg.prompt.input_ids, sampling_params=params, return_logprob=True,
+            return await ref.ask(Generate(request=GenerateRequest(
+                input_ids=prompt_ids, sampling_params=params, return_logprob=True,
                 return_routed_experts=msg.routed_experts)), timeout_s=self.timeout_s)
-            final = _version(reply.weight_version, msg.engine_version)
-            versions = reply.weight_versions or sorted({msg.engine_version, final})
-            return (reply.finish_reason or "abort", reply.output_ids, list(reply.output_token_logprobs or []),
-                    reply.text, versions, reply.routed_experts)
         params_json: dict[str, Any] = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature,
                                        "top_p": s.top_p, "top_k": s.top_k}
         if msg.seed is not None:
             params_json["sampling_seed"] = msg.seed
-        assert msg.prompt is not None
-        out = await self._client(msg.engine_url).generate(input_ids=msg.prompt.input_ids, sampling_params=params_json,
-                                                          return_logprob=True,
-                                                          return_routed_experts=msg.routed_experts)
-        meta = out["meta_info"]
-        # Every version the tokens were sampled under (our engine reports them; for an engine that
-        # reports only the final one, the version at submission and at the end).
-        final = _version(str(meta.get("weight_version", "")), msg.engine_version)
-        versions = list(meta.get("weight_versions") or sorted({msg.engine_version, final}))
-        experts = base64.b64decode(meta["routed_experts"]) if meta.get("routed_experts") else b""
-        return ((meta.get("finish_reason") or {}).get("type", "abort"), list(out.get("output_ids") or []),
-                [float(entry[0]) for entry in meta.get("output_token_logprobs") or []], out.get("text", ""), versions,
-                experts)
+        out = await self._client(msg.engine_url).generate(input_ids=prompt_ids, sampling_params=params_json,
+                                                          return_logprob=True, return_routed_experts=msg.routed_experts)
+        return parse_output(out, version=msg.engine_version)
 
-    async def _episode(self, msg: Rollout) -> SampleOut:
+    def _identity(self, msg: Rollout, submit_s: float) -> dict[str, Any]:
+        return {"prompt_id": msg.prompt_id, "index": msg.index, "attempt": msg.attempt, "request_id": msg.request_id,
+                "engine": msg.engine, "submit_s": submit_s}
+
+    @handler(concurrent=True)
+    async def rollout(self, msg: Rollout) -> Trajectory:
+        item = decode_item(self.task, msg.item)
+        if self.agent is not None:
+            return await self._episode(msg, item)
+        submit_s = time.time()
+        prompt_ids = self.task.prompt_ids(item)
+        num_prompt = len(prompt_ids)
+        try:
+            out = await self._generate(msg, prompt_ids)
+        except (EngineHTTPError, OSError, TimeoutError, ActorError) as e:  # the engine's failure: report it
+            return failed(msg, submit_s, num_prompt, "error", f"{type(e).__name__}: {e}")
+        reward, finish, error = 0.0, out.finish_reason, ""
+        if finish != "abort":
+            try:
+                reward = float(await self.task.reward(item, Completion(text=out.text, token_ids=out.output_ids,
+                                                                       finish_reason=finish)))
+            except Exception as e:  # noqa: BLE001 - a user's reward function: report, keep serving
+                log.warning("reward function failed on prompt %d: %r", msg.prompt_id, e)
+                finish, error = "reward_error", f"{type(e).__name__}: {e}"
+        num_out = len(out.output_ids)
+        versions = tuple(VersionSpan(version=v.version, start=v.start + num_prompt, end=v.end + num_prompt)
+                         for v in out.weight_versions) or (VersionSpan(msg.engine_version, num_prompt, num_prompt),)
+        data_ref = None
+        if num_out:
+            experts = None
+            if out.routed_experts and self.moe_shape is not None:
+                experts = np.frombuffer(out.routed_experts, dtype="<i4").reshape(-1, *self.moe_shape)
+            data = TokenData.build(tokens=prompt_ids + out.output_ids, loss_mask=[0] * num_prompt + [1] * num_out,
+                                   logprobs=[0.0] * num_prompt + out.output_logprobs, routed_experts=experts)
+            data_ref = self.system.dataplane.put(encode_data(data))
+        return Trajectory(**self._identity(msg, submit_s), finish_reason=finish, error=error, reward=reward,
+                          versions=versions, num_tokens=num_prompt + num_out, num_prompt_tokens=num_prompt,
+                          num_generated_tokens=num_out, prompt_tokens_sent=num_prompt, cached_tokens=out.cached_tokens,
+                          end_s=time.time(), data=data_ref)
+
+    async def _episode(self, msg: Rollout, item: Any) -> Trajectory:
         """One agent episode in its own session (and sandbox); its trajectory is the sample."""
         from miles_async.agents.sandbox import LocalSandbox
 
+        assert self.rollout_fn is not None and self.environment_cls is not None
         submit_s = time.time()
-        session_id = f"p{msg.prompt_index}-i{msg.index}-a{msg.attempt}-r{msg.request_id}"
-        sandbox = LocalSandbox() if self.sandbox else None
+        session_id = f"p{msg.prompt_id}-i{msg.index}-a{msg.attempt}-r{msg.request_id}"
+        sandbox = LocalSandbox() if self.agent_config.sandbox else None
         environment = self.environment_cls(sandbox=sandbox) if sandbox is not None else self.environment_cls()
         s = msg.sampling
         sampling = {"temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_new_tokens}
         if self.agent_http is None:
             self.agent_http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
                                                     headers=bearer(self.api_key))  # a session server off node 0
-        http = self.agent_http
+        if self.sessions is None:
+            self.sessions = await self.system.lookup(self.sessions_name, timeout_s=self.timeout_s)
         try:
-            episode = await self.rollout_fn(self.agent, environment, msg.task,
+            episode = await self.rollout_fn(self.agent, environment, item,
                                             f"{self.session_url}/sessions/{session_id}/v1", sampling=sampling,
-                                            sandbox=sandbox, http=http)
-            async with http.get(f"{self.session_url}/sessions/{session_id}/samples") as response:
-                body = await response.json(content_type=None) if response.status == 200 else None
-            async with http.delete(f"{self.session_url}/sessions/{session_id}"):
-                pass
+                                            sandbox=sandbox, http=self.agent_http)
         finally:
             if sandbox is not None:
                 await sandbox.close()
-        fields: dict[str, Any] = {"request_id": msg.request_id, "prompt_index": msg.prompt_index, "index": msg.index,
-                                  "attempt": msg.attempt, "engine": msg.engine, "submit_s": submit_s,
-                                  "end_s": time.time(), "reward": episode.reward or 0.0, "error": episode.error,
-                                  "output_text": episode.answer or ""}
-        samples = (body or {}).get("samples") or []
-        if episode.error or not samples:
-            return SampleOut(**fields, prompt_ids=[], output_ids=[], output_logprobs=[], versions=[msg.engine_version],
-                             finish_reason="error" if episode.error or not samples else "abort")
-        sample = samples[-1]  # the latest branch: the trajectory the agent finished on
-        meta = body.get("metadata") or {}
-        mask = sample["loss_mask"]
-        versions = sorted({_version(str(v), msg.engine_version) for v in sample["weight_versions"]}
-                          or {msg.engine_version})
-        finish = sample.get("finish_reason") or "stop"
-        return SampleOut(**fields, prompt_ids=[t for t, m in zip(sample["tokens"], mask) if not m],
-                         output_ids=[t for t, m in zip(sample["tokens"], mask) if m], output_logprobs=[],
-                         finish_reason="abort" if finish == "abort" else finish, versions=versions,
-                         tokens=sample["tokens"], loss_mask=mask, token_logprobs=sample["rollout_logprobs"],
-                         prompt_tokens_sent=int(meta.get("prompt_tokens", 0)),
-                         cached_tokens=int(meta.get("cached_tokens", 0)),
-                         routed_experts=base64.b64decode(sample["routed_experts"]) if sample.get("routed_experts") else b"")
+        taken = await self.sessions.ask(TakeSession(session_id=session_id), timeout_s=self.timeout_s)
+        if episode.error or taken is None:
+            if taken is not None:
+                self.system.dataplane.free(blobs([taken]))
+            return failed(msg, submit_s, 0, "error", episode.error or "the episode made no turn")
+        finish = "abort" if taken.finish_reason == "abort" else taken.finish_reason
+        return msgspec.structs.replace(taken, **self._identity(msg, submit_s), finish_reason=finish,
+                                       reward=episode.reward or 0.0, end_s=time.time())
 
-    @handler(concurrent=True)
-    async def rollout(self, msg: Rollout) -> SampleOut:
-        if self.agent is not None:
-            return await self._episode(msg)
-        submit_s = time.time()
-        fields: dict[str, Any] = {
-            "request_id": msg.request_id, "prompt_index": msg.prompt_index, "index": msg.index,
-            "attempt": msg.attempt, "engine": msg.engine, "prompt_ids": list(msg.prompt.input_ids if msg.prompt else []),
-            "submit_s": submit_s}
-        try:
-            finish, output_ids, logprobs, text, versions, experts = await self._generate(msg)
-        except (EngineHTTPError, OSError, TimeoutError, ActorError) as e:  # the engine's failure: report it
-            return SampleOut(**fields, output_ids=[], output_logprobs=[], output_text="", finish_reason="error",
-                             versions=[msg.engine_version], reward=0.0, end_s=time.time(),
-                             error=f"{type(e).__name__}: {e}")
-        reward, error = 0.0, ""
-        if finish != "abort":
-            try:
-                reward = float(await self.reward_fn(RewardInput(prompt=msg.prompt, output_text=text,
-                                                                output_ids=output_ids, finish_reason=finish)))
-            except Exception as e:  # noqa: BLE001 - a user's reward function: report, keep serving
-                log.warning("reward function failed on prompt %d: %r", msg.prompt_index, e)
-                finish, error = "reward_error", f"{type(e).__name__}: {e}"
-        return SampleOut(**fields, output_ids=output_ids, output_logprobs=logprobs, output_text=text,
-                         finish_reason=finish, versions=versions, reward=reward, end_s=time.time(), error=error,
-                         routed_experts=experts)
+
+def failed(msg: Rollout, submit_s: float, num_prompt: int, finish: str, error: str) -> Trajectory:
+    """A sample that produced nothing to train on (its group is dropped as aborted)."""
+    return Trajectory(prompt_id=msg.prompt_id, index=msg.index, attempt=msg.attempt, request_id=msg.request_id,
+                      engine=msg.engine, finish_reason=finish, error=error,
+                      versions=(VersionSpan(msg.engine_version, num_prompt, num_prompt),), num_tokens=num_prompt,
+                      num_prompt_tokens=num_prompt, submit_s=submit_s, end_s=time.time())

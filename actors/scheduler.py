@@ -2,7 +2,7 @@
 default; `RefillConfig.refill = "group"` frees a group's slots together, for comparison).
 
     dataset ──► RefillScheduler ──Rollout──► RolloutWorker(s) ──► engines
-                   ▲      │ SampleOut
+                   ▲      │ Trajectory (metadata + a reference to its arrays)
                    │      └── n samples of a prompt ──PutGroup──► Buffer
                    ├── WeightVersionChanged (pusher side: an engine holds a new version)
                    ├── TrainerStepped (controller: a step trained these prompts)
@@ -13,10 +13,12 @@ The decisions (what to submit, where, whether admission is open) are
 `policies.refill.RefillPolicy`'s; this actor sends them and collects the answers. A finished
 sample frees its slot at once and the slot is refilled in the same turn; a group whose n samples
 are in goes to the buffer. Replies from an engine that was declared lost are ignored (the policy
-reissued those samples), so no sample is counted twice. When every sample fails (an agent that
-always raises, a session server or engine refusing at once), the refill would spin as fast as
-the failures come: past 16 failures in a row each one waits before its slot is refilled
-(doubling, up to 5 s), the latest error is logged, and the first success ends the wait.
+reissued those samples), so no sample is counted twice, and their arrays are freed from the data
+plane. The dataset's items are the task's, opaque here: a worker turns one into a prompt. When
+every sample fails (an agent that always raises, a session server or engine refusing at once),
+the refill would spin as fast as the failures come: past 16 failures in a row each one waits
+before its slot is refilled (doubling, up to 5 s), the latest error is logged, and the first
+success ends the wait.
 
 Off the controller's node (`[placement] scheduler`) it reports each finished sample to the
 controller's `sample_sink` actor instead of calling `on_sample`.
@@ -38,11 +40,11 @@ from typing import Any, ClassVar
 import msgspec
 
 from miles_async.actors.buffer import GroupsDropped, PutGroup
-from miles_async.actors.rollout import Rollout, SampleOut, SamplingConfig
-from miles_async.policies.buffer import Group, SampleRecord
+from miles_async.actors.rollout import Rollout, SamplingConfig, failed
+from miles_async.policies.buffer import Group
 from miles_async.policies.refill import RefillConfig, RefillPolicy, Submit
 from miles_async.runtime import Actor, ActorDeadError, ActorRef, Clock, Message, RealClock, handler
-from miles_async.tasks.reverse import Prompt
+from miles_async.trajectory import Trajectory, blobs
 
 log = logging.getLogger("miles_async.actors.scheduler")
 
@@ -60,36 +62,35 @@ class SchedulerState(msgspec.Struct, frozen=True, kw_only=True):
     engine_busy_s: dict[str, float]
 
 
-class AddEngine(Message):
+class AddEngine(Message, frozen=True):
     name: str
     url: str
     version: int
     actor: str = ""  # an EngineActor's name: workers message it instead of calling `url`
 
 
-class WeightVersionChanged(Message):
+class WeightVersionChanged(Message, frozen=True):
     engine: str
     version: int
 
 
-class TrainerStepped(Message):
+class TrainerStepped(Message, frozen=True):
     version: int
     prompt_ids: list[int]
 
 
-class EngineLost(Message):
+class EngineLost(Message, frozen=True):
     name: str
 
 
-class GetSchedulerState(Message):
-    Reply: ClassVar[Any] = SchedulerState
+class GetSchedulerState(Message[SchedulerState], frozen=True):
+    """The scheduler's counters and state."""
 
 
-class HoldRollouts(Message):
+class HoldRollouts(Message[None], frozen=True):
     """hold=True: send no new rollout requests (in-flight ones finish); False: send what waited."""
 
     hold: bool
-    Reply: ClassVar[Any] = None
 
 
 def sample_seed(run_seed: int, prompt_index: int, index: int, attempt: int) -> int:
@@ -101,11 +102,11 @@ BACKOFF_S = 0.05
 MAX_BACKOFF_S = 5.0
 
 
-class SampleSeen(Message):
+class SampleSeen(Message, frozen=True):
     """To the scheduler's `sample_sink`: a finished sample, and whether it counted (False: a late
     reply from an engine declared lost, traced only)."""
 
-    sample: SampleOut
+    sample: Trajectory
     counted: bool
 
 
@@ -118,7 +119,7 @@ class RefillScheduler(Actor):
 
     def __init__(self, config: RefillConfig, dataset: list[Any], sampling: SamplingConfig, *,
                  workers: list[str], buffer: str, seed: int | None = None, trainer_version: int = 0, first_prompt: int = 0,
-                 on_sample: Callable[[SampleOut, bool], None] | None = None, clock: Clock | None = None,
+                 on_sample: Callable[[Trajectory, bool], None] | None = None, clock: Clock | None = None,
                  timeout_s: float = 3600.0, routed_experts: bool = False, sample_sink: str = "") -> None:
         if not dataset:
             raise ValueError("the scheduler needs a non-empty dataset of prompts")
@@ -140,7 +141,7 @@ class RefillScheduler(Actor):
         self.buffer: ActorRef | None = None
         self.engines: dict[str, tuple[str, int]] = {}  # name -> (url, version)
         self.engine_actors: dict[str, str] = {}  # name -> EngineActor name, for the mailbox path
-        self.groups: dict[tuple[int, int], list[SampleOut]] = {}  # (prompt, attempt) -> samples so far
+        self.groups: dict[tuple[int, int], list[Trajectory]] = {}  # (prompt, attempt) -> samples so far
         self.unfinished: set[int] = set()  # prompts admitted and not yet trained or discarded
         self.tasks: set[asyncio.Task] = set()
         self.num_samples_done = 0
@@ -230,12 +231,11 @@ class RefillScheduler(Actor):
             url, version = self.engines[submit.engine]
             worker = self.workers[self._next_worker % len(self.workers)]
             self._next_worker += 1
-            item = self.dataset[submit.prompt_id % len(self.dataset)]
-            prompt, task = (item, None) if isinstance(item, Prompt) else (None, item)
-            msg = Rollout(request_id=submit.request_id, prompt_index=submit.prompt_id, index=submit.index,
+            msg = Rollout(request_id=submit.request_id, prompt_id=submit.prompt_id, index=submit.index,
                           attempt=submit.attempt, engine=submit.engine, engine_url=url, engine_version=version,
                           engine_actor=self.engine_actors.get(submit.engine, ""),
-                          prompt=prompt, task=task, sampling=self.sampling, routed_experts=self.routed_experts,
+                          item=self.dataset[submit.prompt_id % len(self.dataset)], sampling=self.sampling,
+                          routed_experts=self.routed_experts,
                           seed=None if self.seed is None else sample_seed(self.seed, submit.prompt_id, submit.index,
                                                                          submit.attempt))
             self._mark_busy(submit.engine, True)
@@ -252,16 +252,11 @@ class RefillScheduler(Actor):
             if isinstance(e, ActorDeadError) and worker in self.workers and len(self.workers) > 1:
                 log.error("rollout worker %s died (%s); the others take its share", worker.name, e)
                 self.workers.remove(worker)
-            sample = SampleOut(request_id=msg.request_id, prompt_index=msg.prompt_index, index=msg.index,
-                               attempt=msg.attempt, engine=msg.engine,
-                               prompt_ids=list(msg.prompt.input_ids) if msg.prompt else [],
-                               output_ids=[], output_logprobs=[], output_text="", finish_reason="error",
-                               versions=[msg.engine_version], reward=0.0, submit_s=time.time(), end_s=time.time(),
-                               error=f"{type(e).__name__}: {e}")
+            sample = failed(msg, time.time(), 0, "error", f"{type(e).__name__}: {e}")
         await self._back_off(sample)
         await self._collect(sample)
 
-    async def _back_off(self, sample: SampleOut) -> None:
+    async def _back_off(self, sample: Trajectory) -> None:
         """Every sample failing (an agent that always raises, a session server refusing, an engine
         answering errors at once) would have the refill resubmit as fast as the failures come:
         past FAIL_STREAK failures in a row each one waits before it is collected (doubling up to
@@ -275,22 +270,23 @@ class RefillScheduler(Actor):
             return
         if streak & (streak - 1) == 0:  # 16, 32, 64, ...: say so, with the cause
             log.warning("%d samples in a row failed (latest, prompt %d: %s); backing off until one succeeds",
-                        streak, sample.prompt_index, sample.error or sample.finish_reason)
+                        streak, sample.prompt_id, sample.error or sample.finish_reason)
         await asyncio.sleep(min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (streak // FAIL_STREAK - 1)))
 
-    async def _seen(self, sample: SampleOut, counted: bool) -> None:
+    async def _seen(self, sample: Trajectory, counted: bool) -> None:
         if self.on_sample is not None:
             self.on_sample(sample, counted)
         if self.sink is not None:
             await self.sink.tell(SampleSeen(sample=sample, counted=counted))
 
-    async def _collect(self, sample: SampleOut) -> None:
+    async def _collect(self, sample: Trajectory) -> None:
         if not self.policy.owns(sample.request_id):
             await self._seen(sample, False)  # a lost engine's late reply: traced, not counted
+            self.system.dataplane.free(blobs([sample]))
             return
         self.num_samples_done += 1
         await self._seen(sample, True)
-        key = (sample.prompt_index, sample.attempt)
+        key = (sample.prompt_id, sample.attempt)
         members = self.groups.setdefault(key, [])
         members.append(sample)
         submits = self.policy.on_sample_done(sample.request_id, self.clock.now())
@@ -300,16 +296,20 @@ class RefillScheduler(Actor):
         self._dispatch(submits)
         if len(members) == self.policy.config.group_size:
             del self.groups[key]
-            await self._put(sample.prompt_index, sample.attempt, members)
+            await self._put(sample.prompt_id, sample.attempt, members)
 
-    async def _put(self, prompt_index: int, attempt: int, members: list[SampleOut]) -> None:
-        records = tuple(SampleRecord(prompt_id=prompt_index, index=s.index, versions=tuple(s.versions), reward=s.reward,
-                                     aborted=s.aborted, num_output_tokens=len(s.output_ids), payload=s)
-                        for s in sorted(members, key=lambda s: s.index))
+    async def _put(self, prompt_id: int, attempt: int, members: list[Trajectory]) -> None:
+        samples = tuple(sorted(members, key=lambda s: s.index))
         if self.buffer is None:  # looked up on first use: the buffer is spawned after this actor
             self.buffer = await self.system.lookup(self.buffer_name, timeout_s=60.0)
-        await self.buffer.ask(PutGroup(group=Group(prompt_id=prompt_index, samples=records, attempt=attempt)),
-                              timeout_s=self.timeout_s)
+        try:
+            await self.buffer.ask(PutGroup(group=Group(prompt_id=prompt_id, samples=samples, attempt=attempt)),
+                                  timeout_s=self.timeout_s)
+        except ActorDeadError as e:  # the buffer is gone: the run is ending, or its node was lost (which
+            # the controller's liveness watch reports); nobody will train this group
+            log.debug("group of prompt %d not put: %s", prompt_id, e)
+            self.system.dataplane.free(blobs(samples))
+            return
         self.num_groups_put += 1
 
     def _mark_busy(self, engine: str, busy: bool) -> None:

@@ -3,6 +3,7 @@ place it on any node.
 
     controller ──AddSessionEngine / RemoveSessionEngine / CloseSessions──► SessionHost ─ SessionServer (HTTP)
     rollout workers (agents) ──────── chat.completions over HTTP ─────────────────────┘
+    rollout workers ──TakeSession (episode over)──► SessionHost ──► Trajectory (arrays in its data plane)
 
 On the controller's node it lives in the controller's process and serves on loopback; on another
 node it is a process of its own serving on that node's address, and then every request must carry
@@ -11,31 +12,36 @@ the run's API key (`Authorization: Bearer ...`), as the engines' do.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import msgspec
 
 from miles_async.agents.session import SessionServer
 from miles_async.runtime import Actor, Message, handler
+from miles_async.trajectory import TokenData, Trajectory, encode_data
 
 
-class SessionsUrl(Message):
-    Reply: ClassVar[Any] = str
+class SessionsUrl(Message[str], frozen=True):
+    """The session server's base URL."""
 
 
-class AddSessionEngine(Message):
+class AddSessionEngine(Message[None], frozen=True):
     url: str
-    Reply: ClassVar[Any] = None
 
 
-class RemoveSessionEngine(Message):
+class RemoveSessionEngine(Message[None], frozen=True):
     url: str
-    Reply: ClassVar[Any] = None
 
 
-class CloseSessions(Message):
+class CloseSessions(Message[None], frozen=True):
     """Close these sessions where they are open (the others are already closed)."""
 
     session_ids: list[str]
-    Reply: ClassVar[Any] = None
+
+
+class TakeSession(Message[Trajectory | None], frozen=True):
+    """Close a session and return its latest branch (the trajectory the agent finished on), its
+    token arrays put into this process's data plane; None when the session never ran a turn."""
+
+    session_id: str
 
 
 class SessionHost(Actor):
@@ -69,3 +75,15 @@ class SessionHost(Actor):
         for session_id in msg.session_ids:
             if session_id in self.server.sessions:
                 self.server.close_session(session_id)
+
+    @handler
+    def take_session(self, msg: TakeSession) -> Trajectory | None:
+        if msg.session_id not in self.server.sessions:
+            return None
+        branches = self.server.close_session(msg.session_id)
+        if not branches:
+            return None
+        latest = branches[-1]
+        assert isinstance(latest.data, TokenData)
+        return msgspec.structs.replace(latest, data=self.system.dataplane.put(encode_data(latest.data)))
+

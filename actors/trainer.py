@@ -1,13 +1,16 @@
 """`TrainerRank`: one trainer rank as an actor, in its own process, joined to its peers by torch.distributed.
 
-    Batch (global) ──TrainStep──► TrainerRank 0..N-1 ──► StepMetrics (new weight version)
-                                        │ ExportWeights
-                                        ▼
-                       <weights_dir>/v<version>/bucket_<i>.safetensors ──► weight pusher
+    batch ──TrainerGroup.train: plan──TrainStep (rank r's share: metadata + BlobRefs)──► TrainerRank r
+                                                                                        │ reads its share's
+                                        data plane (the rollout worker's shared memory) ◄┘ arrays (zero copy
+                                                                                        │ on one node)
+                                                  StepMetrics (new weight version) ◄────┘
+    ExportWeights ──► <weights_dir>/v<version>/bucket_<i>.safetensors ──► weight pusher
 
-Consumes: `TrainStep` (the whole global batch, sent to every rank: each keeps its share),
-`ExportWeights`, `SaveCheckpoint`, `LoadCheckpoint`. Every one of them is a collective, so the
-caller sends it to all ranks (`TrainerGroup` does) and each rank's reply is the same.
+Consumes: `TrainStep` (this rank's share of a batch, planned by `TrainerGroup.train` with
+`packing.plan_step`: the samples' token arrays stay in the data plane until the rank reads
+them), `ExportWeights`, `SaveCheckpoint`, `LoadCheckpoint`. Every one of them is a collective, so
+the caller sends one to every rank (`TrainerGroup` does) and each rank's reply is the same.
 Produces: metrics and a weight version per step; full weights as safetensors files.
 
 Why files for the weights: tensors never ride in messages, and gathering a full tensor from
@@ -29,25 +32,29 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import torch
 import torch.distributed as dist
 
 from miles_async.runtime import Actor, ActorRef, ActorSystem, Failure, Message, RestartPolicy, handler
+from miles_async.runtime.messages import BlobRef
 from miles_async.trainer import checkpoint
 from miles_async.trainer.config import TrainerConfig
 from miles_async.trainer.fsdp import RankEnv, bind_to, free_port, init_distributed
-from miles_async.trainer.packing import TrainSample
+from miles_async.trainer.packing import plan_step
 from miles_async.trainer.step import StepMetrics, Trainer, WeightBucket
+from miles_async.trajectory import Trajectory, decode_data
 
 T = TypeVar("T")
+R = TypeVar("R")
 log = logging.getLogger("miles_async.actors.trainer")
 STOP_TIMEOUT_S = 10.0
 
@@ -70,32 +77,33 @@ class WeightManifest(msgspec.Struct, frozen=True, kw_only=True):
 # -- messages -------------------------------------------------------------------------------
 
 
-class TrainStep(Message):
-    """One optimizer step on the global batch; `data_cursor` is saved with the next checkpoint."""
+class TrainStep(Message[StepMetrics], frozen=True):
+    """One optimizer step: this rank's share of a batch (`packing.plan_step`); `data_cursor` is
+    saved with the next checkpoint."""
 
-    samples: list[TrainSample]
+    samples: list[Trajectory]  # the share; their `data` in the data plane (or inline)
+    advantages: list[float]  # one per sample
+    num_micro_batches: int  # every rank runs this many (the most any rank has)
+    denominator: float  # the whole batch's aggregation denominator
     data_cursor: int = -1  # -1 leaves the cursor as it is
     objective: str = ""  # "" = the config's; "sft" for warm-start steps before RL
     lr: float = 0.0  # 0 = the config's
-    Reply: ClassVar[Any] = StepMetrics
 
 
-class ExportWeights(Message):
+class ExportWeights(Message[WeightManifest], frozen=True):
     """Write the current full weights as buckets; `folder` "" means <weights_dir>/v<version>."""
 
     folder: str = ""
-    Reply: ClassVar[Any] = WeightManifest
 
 
-class SaveCheckpoint(Message):
-    Reply: ClassVar[Any] = CheckpointInfo
+class SaveCheckpoint(Message[CheckpointInfo], frozen=True):
+    """Save a checkpoint (a collective: every rank)."""
 
 
-class LoadCheckpoint(Message):
+class LoadCheckpoint(Message[CheckpointInfo], frozen=True):
     """Load the checkpoint at `path` ("" = the latest under the config's checkpoint_dir)."""
 
     path: str = ""
-    Reply: ClassVar[Any] = CheckpointInfo
 
 
 # -- the actor ------------------------------------------------------------------------------
@@ -164,9 +172,21 @@ class TrainerRank(Actor):
 
     @handler
     async def train_step(self, msg: TrainStep) -> StepMetrics:
-        cursor = None if msg.data_cursor < 0 else msg.data_cursor
-        return await self._on_torch_thread(self.trainer.train_step, msg.samples, cursor, msg.objective or None,
-                                           msg.lr or None)
+        samples = [await self._resolve(s) for s in msg.samples]
+        return await self._on_torch_thread(functools.partial(
+            self.trainer.train_step, samples, msg.advantages, num_micro_batches=msg.num_micro_batches,
+            denominator=msg.denominator, data_cursor=None if msg.data_cursor < 0 else msg.data_cursor,
+            objective=msg.objective or None, lr=msg.lr or None))
+
+    async def _resolve(self, sample: Trajectory) -> Trajectory:
+        """`sample` with its token arrays inline, read from the data plane that holds them."""
+        if not isinstance(sample.data, BlobRef):
+            return sample
+        view = await self.system.dataplane.read(sample.data)
+        try:
+            return msgspec.structs.replace(sample, data=decode_data(view))
+        finally:
+            view.release()
 
     @handler
     async def export_weights(self, msg: ExportWeights) -> WeightManifest:
@@ -231,8 +251,9 @@ class RankPlacement:
 class TrainerGroup:
     """The ranks of one trainer, spawned together; `ask_all` sends a collective to every rank."""
 
-    def __init__(self, refs: list[ActorRef]) -> None:
+    def __init__(self, refs: list[ActorRef], config: TrainerConfig) -> None:
         self.refs = refs
+        self.config = config
 
     @classmethod
     async def spawn(cls, system: ActorSystem, config: TrainerConfig, world_size: int | None = None, *,
@@ -272,13 +293,28 @@ class TrainerGroup:
         if errors:
             await asyncio.gather(*(system.stop(ref) for ref in refs), return_exceptions=True)
             raise errors[0]
-        return cls(refs)
+        return cls(refs, config)
 
-    async def ask_all(self, msg: Message, timeout_s: float) -> list[Any]:
+    async def train(self, samples: list[Trajectory], *, objective: str = "", lr: float = 0.0, data_cursor: int = -1,
+                    timeout_s: float) -> StepMetrics:
+        """One optimizer step on `samples` (their `data` in the data plane, or inline): plan it
+        from their metadata and send each rank only its share. Advantages are group-relative
+        (`config.advantage`) for RL, none for SFT. Returns the step's metrics (the same on every rank)."""
+        config = self.config
+        rl = (objective or config.objective) == "rl"
+        plan = plan_step(samples, len(self.refs), config.micro_batch_tokens, config.policy_loss.aggregation,
+                         config.advantage if rl else None)
+        steps = [TrainStep(samples=[samples[i] for i in indices], advantages=[plan.advantages[i] for i in indices],
+                           num_micro_batches=plan.num_micro_batches, denominator=plan.denominator,
+                           data_cursor=data_cursor, objective=objective, lr=lr) for indices in plan.per_rank]
+        replies = await asyncio.gather(*(ref.ask(step, timeout_s=timeout_s) for ref, step in zip(self.refs, steps)))
+        return replies[0]
+
+    async def ask_all(self, msg: Message[R], timeout_s: float) -> list[R]:
         """Send `msg` to every rank; the replies in rank order (a failure of any rank raises)."""
         return list(await asyncio.gather(*(ref.ask(msg, timeout_s=timeout_s) for ref in self.refs)))
 
-    async def ask(self, msg: Message, timeout_s: float) -> Any:
+    async def ask(self, msg: Message[R], timeout_s: float) -> R:
         """`ask_all`, returning rank 0's reply (every rank's is the same for these collectives)."""
         return (await self.ask_all(msg, timeout_s))[0]
 

@@ -43,7 +43,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import torch
@@ -81,12 +81,13 @@ VERIFY = ("never", "first", "always")
 Source = Callable[[], Mapping[str, torch.Tensor]]
 
 
-class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """How weights reach the engines (the recipe's `[weights]` table)."""
+class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How weights reach the engines (the recipe's `[weights]` table; a run sets `family`, `host`,
+    `pause_mode` and `delta_dir` itself)."""
 
-    family: str  # the model family: picks the name/layout converter
-    transport: str = "broadcast"
-    bucket_mib: float = 256.0
+    family: str = ""  # the model family: picks the name/layout converter (required by a pusher)
+    transport: str = "shm"  # the engines' weights in shared memory: the fastest on one node
+    bucket_mib: float = 64.0
     pause_mode: str = "in_place"  # an engine pause mode, or "none" (double-buffered engines)
     verify: str = "first"  # never | first (random-fill check on the first push) | always
     verify_seed: int = 0
@@ -101,14 +102,11 @@ class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True):
         checks = (("transport", TRANSPORTS), ("verify", VERIFY), ("backend", BACKENDS),
                   ("pause_mode", (*PAUSE_MODES, "none")), ("family", tuple(CONVERTERS)))
         for field, allowed in checks:
-            if getattr(self, field) not in allowed:
+            if getattr(self, field) not in allowed and not (field == "family" and self.family == ""):
                 raise ValueError(f"WeightSyncConfig.{field}={getattr(self, field)!r} is not one of "
                                  f"{', '.join(allowed)}")
         if self.bucket_mib <= 0:
             raise ValueError(f"WeightSyncConfig.bucket_mib must be > 0, got {self.bucket_mib}")
-        if self.transport == "disk_delta" and not self.delta_dir:
-            raise ValueError("WeightSyncConfig.delta_dir is required for transport 'disk_delta' "
-                             "(a folder every engine can read)")
 
     @property
     def bucket_bytes(self) -> int:
@@ -125,23 +123,21 @@ class PushReport(msgspec.Struct, frozen=True, kw_only=True):
     engines: list[EngineState]
 
 
-class PushWeights(Message):
+class PushWeights(Message[PushReport], frozen=True):
     """Push `version`: from the trainer's exported files (`manifest`), or from the in-process source."""
 
     version: int
     manifest: WeightManifest | None = None
-    Reply: ClassVar[Any] = PushReport
 
 
-class JoinEngine(Message):
+class JoinEngine(Message[None], frozen=True):
     """Push to this engine too from the next version on (it already holds the current one)."""
 
     name: str
 
 
-class ForgetEngine(Message):
+class ForgetEngine(Message[None], frozen=True):
     name: str
-    Reply: ClassVar[Any] = None
 
 
 class WeightPusher(Actor):
@@ -150,6 +146,11 @@ class WeightPusher(Actor):
     def __init__(self, engines: list[str], config: WeightSyncConfig, source: Source | None = None) -> None:
         if not engines:
             raise ValueError("WeightPusher needs at least one engine name")
+        if not config.family:
+            raise ValueError(f"WeightSyncConfig.family is empty: give the model family ({', '.join(CONVERTERS)})")
+        if config.transport == "disk_delta" and not config.delta_dir:
+            raise ValueError("WeightSyncConfig.delta_dir is required for transport 'disk_delta' "
+                             "(a folder every engine can read)")
         if config.transport == "rdma":
             from miles_async.transport.rdma import require_pyverbs
 
@@ -408,7 +409,7 @@ class WeightPusher(Actor):
             target = await ref.ask(ConnectRdma(pusher=side.info()), timeout_s=self.config.timeout_s)
             await self._on_thread(side.connect, msgspec.convert(target.endpoint, EndpointInfo))
             sizes = [[(name, t.numel() * t.element_size()) for name, t in bucket] for bucket in buckets]
-            plan = plan_writes(sizes, {name: tuple(place) for name, place in target.tensors.items()})
+            plan = plan_writes(sizes, target.tensors)
             await self._on_thread(functools.partial(side.write, plan, buckets, timeout_s=self.config.timeout_s))
         finally:
             await self._on_thread(side.close)

@@ -25,7 +25,7 @@ time, after the first `--warmup-steps` steps (the processes' first compiles, all
 async, the pipeline filling): for ours, from metrics.jsonl (steps after the warm-up: their
 `num_samples` over the `wall_s` between the warm-up's last row and the last row); for TRL, its
 per-step times (`step_s`, bench/loop_peers.py) after the same number of steps. The trainer's idle
-fraction over the same window is sum(step_s - train_s) / window; `whole_rl_phase` also gives the
+fraction over the same steps is sum(step_s - train_s) / sum(step_s); `whole_rl_phase` also gives the
 controller's own figures over every step (RunResult). `time_split_s` sums each step's
 wait_data_s / train_s / update_s in the window: where our time goes.
 
@@ -68,10 +68,10 @@ from miles_async.bench.loop_peers import trl_grpo
 DEFAULT_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "reverse.toml"
 TARGETS = {"async_over_sync_min": 1.5, "async_over_trl_min": 2.0}
 TRL_THREADS = (1, 2)
-# Long-tailed word lengths (mostly 4-6 letters, a tail to 32: task.reverse.lengths = "zipf"), so
+# Long-tailed word lengths (mostly 4-6 letters, a tail to 32: task.config.lengths = "zipf"), so
 # that answers, and the outputs of a model still learning them, are long-tailed, as real rollouts
 # are (measured: output p50 6 tokens, p99 29-36, max 48); `--set` entries come after these and win.
-LONG_TAIL = ['task.reverse.lengths="zipf"', "task.reverse.max_len=32", "rollout.engine.max_seq_len=128"]
+LONG_TAIL = ['task.config.lengths="zipf"', "task.config.max_len=32", "rollout.engine.max_seq_len=128"]
 QUICK = {"steps": 4, "batch_groups": 2, "group_size": 4, "max_new_tokens": 16, "warmup_steps": 1, "sft_max_steps": 20}
 
 
@@ -211,7 +211,9 @@ def ours(recipe: Path, overrides: list[str], mode: str, warm_dir: Path, run_dir:
         "mode": mode,
         "max_staleness": config.loop.staleness,
         "samples_per_s": round(samples / window_s, 2),
-        "trainer_idle_fraction": round(idle_s / window_s, 3),
+        # over the steps' own durations (one clock): wall_s stamps rows after the write-down, so
+        # idle / window_s could pass 1 on a short window
+        "trainer_idle_fraction": round(idle_s / max(sum(r["step_s"] for r in window), 1e-9), 3),
         "measured_steps": len(window),
         "measured_samples": samples,
         "window_s": round(window_s, 3),
@@ -261,10 +263,9 @@ def train_prompts(model_dir: Path, config: Any, settings: dict) -> list:
     Raises ValueError when the longest of them plus `max_new_tokens` does not fit the engine's context.
     """
     from miles_async.models import load_tokenizer
-    from miles_async.tasks.reverse import prompts
+    from miles_async.task import load_task
 
-    task = prompts(config.task.reverse, settings["steps"] * settings["batch_groups"], load_tokenizer(model_dir),
-                   split="train")
+    task = load_task(config.task, load_tokenizer(model_dir)).items("train", settings["steps"] * settings["batch_groups"])
     longest = max(len(p.input_ids) for p in task)
     context = config.rollout.engine.max_seq_len
     if context is not None and longest + settings["max_new_tokens"] > context:
@@ -314,7 +315,7 @@ def trl(model_dir: Path, task: list, settings: dict, num_threads: int) -> dict:
 def measure(settings: dict, *, recipe: Path, keep: str = "", skip_trl: bool = False) -> dict:
     """The whole bench (module docstring) with `settings` from `_settings`; returns the JSON object."""
     overrides = [*settings["overrides"], f"loop.batch_groups={settings['batch_groups']}",
-                 f"rollout.group_size={settings['group_size']}",
+                 f"scheduler.group_size={settings['group_size']}",
                  f"rollout.sampling.max_new_tokens={settings['max_new_tokens']}"]
     if settings["sft_max_steps"] is not None:
         overrides.append(f"sft.max_steps={settings['sft_max_steps']}")
@@ -352,8 +353,8 @@ def measure(settings: dict, *, recipe: Path, keep: str = "", skip_trl: bool = Fa
 
 _MEASURED = ("samples_per_s: trained samples / wall time over the steps after the first {warmup} (warm-up left "
              "out); ours from metrics.jsonl (num_samples, wall_s), TRL from its per-step times. "
-             "trainer_idle_fraction: sum(step_s - train_s) / that window. whole_rl_phase: the controller's "
-             "RunResult over every RL step. output_tokens: every generated sample in trace.jsonl (ours).")
+             "trainer_idle_fraction: sum(step_s - train_s) / sum(step_s) over that window. whole_rl_phase: the "
+             "controller's RunResult over every RL step. output_tokens: every generated sample in trace.jsonl (ours).")
 
 
 def _settings(args: argparse.Namespace) -> dict:

@@ -121,8 +121,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"{PROG} run: {out} already holds a run; continue it with --resume, or choose another --out",
               file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level(args), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"{PROG} run: {args.recipe} -> {out}", file=sys.stderr)
     try:
         result = run_async(run_loop(config, out, resume=args.resume, progress=not args.quiet))
@@ -140,6 +139,14 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     (out / "summary.json").write_text(summary)
     print(summary)
     return 130 if result.interrupted else 0
+
+
+def log_level(args: argparse.Namespace) -> int:
+    """--quiet: warnings only; --verbose: every weight update, probe and turn (DEBUG); else the few
+    lines a run says once (INFO) beside the progress display."""
+    import logging
+
+    return logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
 
 
 def _plot(args: argparse.Namespace, extra: list[str]) -> int:
@@ -190,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", metavar="DIR", help="run directory (default: a new folder under runs/)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     run.add_argument("--quiet", action="store_true", help="no live progress display, warnings only")
+    run.add_argument("--verbose", action="store_true", help="log every weight update, SFT probe and agent turn")
     run.add_argument(
         "overrides",
         nargs="*",
@@ -215,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--out", metavar="DIR", help="run directory, on node 0 (default: a new folder under runs/)")
     launch.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     launch.add_argument("--quiet", action="store_true", help="no live progress display, warnings only")
+    launch.add_argument("--verbose", action="store_true", help="log every weight update, SFT probe and agent turn")
     launch.add_argument("overrides", nargs="*", type=_key_value, metavar="key=value",
                         help="override a config field by dotted path")
 

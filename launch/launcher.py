@@ -99,7 +99,7 @@ def serve_joins(system: Any, store: Any, rdzv: Any, secret: bytes, controller: A
     """Admit launchers that arrive after the run started (a node back after it was lost, or a new
     one: the elastic rollout fleet), from a thread polling the store. A rank whose node still
     answers is refused. Set the returned event to stop."""
-    from miles_async.actors.controller import Node
+    from miles_async.actors.fleet import Node
     from miles_async.launch.agent import GetNodeStatus, RemoteSpawner
     from miles_async.launch.rendezvous import JoinServer
 
@@ -148,7 +148,7 @@ async def watch_nodes(system: Any, controller: Any, agents: dict[int, Any], rdzv
     """A node cut off (no answer past the heartbeat timeout: its engines are declared lost) whose
     agent answers again later is back: its stale processes are stopped, and it is admitted again
     like a rejoining node (new engines, the current weights first)."""
-    from miles_async.actors.controller import Node
+    from miles_async.actors.fleet import Node
     from miles_async.launch.agent import GetNodeStatus, RemoteSpawner, StopChildren
 
     hosts = {n.rank: n.host for n in rdzv.nodes}
@@ -176,7 +176,8 @@ async def watch_nodes(system: Any, controller: Any, agents: dict[int, Any], rdzv
 
 
 async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str, out: Path, secret: bytes) -> int:
-    from miles_async.actors.controller import Controller, LocalSpawner, Node
+    from miles_async.actors.controller import Controller
+    from miles_async.actors.fleet import LocalSpawner, Node
     from miles_async.launch.agent import RemoteSpawner, ShutdownNode
     from miles_async.runtime import ActorSystem
 
@@ -192,17 +193,19 @@ async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str
                                         num_gpus=info.num_gpus)
         # The engines' HTTP APIs listen on the nodes' addresses: only holders of the run's secret get in.
         api_key = hmac.new(secret, f"miles-async engine api {rdzv.run_id}".encode(), hashlib.sha256).hexdigest()
-        controller = Controller(config, out, resume=args.resume, progress=not args.quiet, runtime=runtime,
-                                system=system, nodes=nodes, engine_api_key=api_key)
-        joins = serve_joins(system, store, rdzv, secret, controller, agents, args)
         reason = "the run is over"
+        joins: threading.Event | None = None
         try:
+            controller = Controller(config, out, resume=args.resume, progress=not args.quiet, runtime=runtime,
+                                    system=system, nodes=nodes, engine_api_key=api_key)
+            joins = serve_joins(system, store, rdzv, secret, controller, agents, args)
             result = await controller.run()
         except BaseException as e:
             reason = f"the run stopped on node 0: {type(e).__name__}: {str(e).split(REMOTE_TRACEBACK)[0].strip()}"
             raise
         finally:
-            joins.set()
+            if joins is not None:
+                joins.set()
             for rank, agent in list(agents.items()):
                 try:
                     await agent.ask(ShutdownNode(reason=reason), timeout_s=60.0)
@@ -249,11 +252,12 @@ def main(args: Any) -> int:
     """The `launch` verb (its arguments parsed by `miles_async.launch.cli`)."""
     from miles_async.actors.controller import RunLostError, RunSetupError
     from miles_async.actors.recipe import load_recipe
+    from miles_async.launch.cli import log_level
     from miles_async.launch.rendezvous import RendezvousError, load_secret, rendezvous
     from miles_async.runtime import SpawnError
     from miles_async.runtime import run as run_async
 
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+    logging.basicConfig(level=log_level(args),
                         format=f"%(asctime)s %(levelname)s [node {args.node_rank}] %(name)s: %(message)s")
     if not 0 <= args.node_rank < args.nnodes:
         print(f"{PROG}: --node-rank {args.node_rank} is outside 0..{args.nnodes - 1}", file=sys.stderr)

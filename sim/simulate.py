@@ -49,13 +49,13 @@ from miles_async.policies import (
     Group,
     RefillConfig,
     RefillPolicy,
-    SampleRecord,
     Submit,
 )
 from miles_async.sim.costs import CostModel
 from miles_async.sim.plot import Interval
 from miles_async.sim.report import RunStats, StepRecord, summarize
 from miles_async.sim.workload import SampleSpec, Workload
+from miles_async.trajectory import Trajectory, VersionSpan
 
 MODES = {"sync": 0, "one_step_off": 1}
 _CHOICES = {"mode": ("sync", "one_step_off", "async"), "refill": ("sample", "group"),
@@ -249,7 +249,7 @@ class Simulator:
         self.num_events = 0
         self.engines = {f"engine-{i}": _Engine(f"engine-{i}") for i in range(config.num_engines)}
         self.requests: dict[int, _Sample] = {}
-        self.partial: dict[tuple[int, int], list[SampleRecord]] = {}
+        self.partial: dict[tuple[int, int], list[Trajectory]] = {}
         self.waiting_puts: deque[Group] = deque()
         self.held: list[Submit] | None = None
         self.version = 0
@@ -426,9 +426,12 @@ class Simulator:
                 submit_s=sample.issue_t + self.costs.gen.dispatch_s, end_s=self.t, prompt_tokens=spec.prompt_tokens,
                 output_tokens=spec.output_tokens, versions=list(sample.versions), reward=spec.reward,
                 finish_reason="abort" if aborted else "stop", num_turns=spec.num_turns, tool_s=spec.tool_s))
-        record = SampleRecord(prompt_id=sample.prompt_id, index=sample.index, versions=tuple(sample.versions),
-                              reward=spec.reward, aborted=aborted, num_output_tokens=spec.output_tokens,
-                              payload=spec.prompt_tokens + spec.output_tokens)
+        # The simulator knows which versions a sample saw, not at which tokens: empty spans, in order.
+        end = spec.prompt_tokens + spec.output_tokens
+        record = Trajectory(prompt_id=sample.prompt_id, index=sample.index, attempt=sample.attempt,
+                            versions=tuple(VersionSpan(v, end, end) for v in sample.versions), reward=spec.reward,
+                            finish_reason="abort" if aborted else "stop", num_tokens=end,
+                            num_prompt_tokens=spec.prompt_tokens, num_generated_tokens=spec.output_tokens)
         self._issue(self.refill.on_sample_done(sample.request_id, self.t))
         if self.num_generated - self._generated_at_step > self._stall_samples:
             raise RuntimeError(
@@ -508,7 +511,7 @@ class Simulator:
         self.batch = drawn.groups
         self.trainer_state = "train"
         self.train_start = self.t
-        num_tokens = sum(s.payload for g in drawn.groups for s in g.samples)
+        num_tokens = sum(s.num_tokens for g in drawn.groups for s in g.samples)
         step = len(self.steps) + 1
         train_s = self.train_s_by_step.get(step)
         if train_s is None:

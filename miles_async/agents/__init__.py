@@ -19,8 +19,8 @@ from miles_async.agents.api import (
            rollout_group,
            run_episode,
 )
-from miles_async.agents.session import SessionSample, SessionServer
+from miles_async.agents.session import SessionServer
 from miles_async.agents.toolcalls import ToolCall, parse_tool_calls
 
-__all__ = ["AgentContext", "Environment", "Episode", "RolloutFn", "SessionSample", "SessionServer", "ToolCall",
+__all__ = ["AgentContext", "Environment", "Episode", "RolloutFn", "SessionServer", "ToolCall",
            "ToolError", "parse_tool_calls", "rollout_group", "run_episode"]

@@ -26,7 +26,8 @@ owns tokenization:
 - a message list that diverges from every checkpoint (a harness that rewrote or compressed
   history) branches from the deepest common checkpoint, or starts a new root; every leaf of the
   tree is one training sample (`GET /sessions/{id}/samples`, `SessionServer.samples(id)`), with a
-  loss mask of 1 exactly on the tokens the model generated.
+  loss mask of 1 exactly on the tokens the model generated: a `miles_async.trajectory.Trajectory`
+  with its token arrays inline (base64 in the JSON), the record the trainer consumes.
 
 Routing: every turn of a session goes to the engine it started on (which holds its prefix in its
 cache); a new session goes to the engine with the fewest requests in flight (then the fewest
@@ -57,12 +58,15 @@ from typing import Any
 import aiohttp
 import jinja2
 import msgspec
+import numpy as np
 from aiohttp import web
 
 from miles_async.agents.toolcalls import TOOL_CALL_OPEN, scan_tool_calls
-from miles_async.engine.client import EngineClient, EngineHTTPError
+from miles_async.engine.client import EngineClient, EngineHTTPError, parse_output
 from miles_async.engine.server import AppServer
+from miles_async.models.config import ModelConfig
 from miles_async.models.tokenizer import Tokenizer, load_tokenizer
+from miles_async.trajectory import TokenData, Trajectory, VersionSpan
 
 log = logging.getLogger(__name__)
 
@@ -73,29 +77,6 @@ ROLES = ("system", "user", "assistant", "tool")
 NEUTRAL_FIELDS: dict[str, Any] = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
                                   "top_logprobs": 0, "response_format": None, "parallel_tool_calls": True}
 NEUTRAL_RESPONSE_FORMATS = ({"type": "text"},)
-
-
-class SessionSample(msgspec.Struct, frozen=True, kw_only=True):
-    """One branch (leaf) of a session: what the trainer consumes.
-
-    tokens: every prompt and generated id of the branch, in order; loss_mask: 1 exactly on the ids
-    the model generated; rollout_logprobs: the engine's log-prob of each generated id, 0.0 where the
-    mask is 0; weight_versions: the versions each turn was sampled under, turn after turn (a turn
-    that spanned a weight update contributes each version it saw); num_mismatches: turns of this
-    branch whose re-tokenization disagreed with the ids used.
-    """
-
-    session_id: str
-    tokens: list[int]
-    loss_mask: list[int]
-    rollout_logprobs: list[float]
-    weight_versions: list[str]
-    num_turns: int
-    finish_reason: str
-    num_mismatches: int = 0
-    # MoE (R3): base64 of the int32 [len(tokens) - 1, MoE layers, top_k] experts the engine routed
-    # each token to (SGLang's layout; TrainSample.routed_experts once decoded); None for dense models.
-    routed_experts: str | None = None
 
 
 class RequestError(ValueError):
@@ -263,15 +244,15 @@ class Checkpoint:
     tokens: list[int]  # prompt ids + output ids
     loss_mask: list[int]
     logprobs: list[float]
-    weight_versions: list[str]
+    weight_versions: list[VersionSpan]  # the version of every generated token, over `tokens` positions
     output_ids: list[int]
     num_turns: int
     finish_reason: str
     num_mismatches: int
     num_children: int = 0
     # MoE (R3): the experts the engine routed every token but the last to, as the engine sent them
-    # (base64 int32 [tokens - 1, MoE layers, top_k]); the last turn's cover the whole trajectory.
-    routed_experts: str | None = None
+    # (int32 little-endian [tokens - 1, MoE layers, top_k]); the last turn's cover the whole trajectory.
+    routed_experts: bytes = b""
 
 
 @dataclass(slots=True)
@@ -369,8 +350,8 @@ class TitoTokenizer:
 
     @staticmethod
     def checkpoint(request: ChatRequest, prompt: Prompt, reply_key: str, output_ids: list[int],
-                   output_logprobs: list[float], weight_versions: list[str], finish_reason: str,
-                   routed_experts: str | None = None) -> Checkpoint:
+                   output_logprobs: list[float], weight_versions: list[VersionSpan], finish_reason: str,
+                   routed_experts: bytes = b"") -> Checkpoint:
         parent = prompt.parent
         num_new = len(prompt.input_ids) - (len(parent.tokens) if parent else 0)
         if parent is not None:
@@ -380,17 +361,27 @@ class TitoTokenizer:
             tokens=prompt.input_ids + output_ids,
             loss_mask=(parent.loss_mask if parent else []) + [0] * num_new + [1] * len(output_ids),
             logprobs=(parent.logprobs if parent else []) + [0.0] * num_new + list(output_logprobs),
-            weight_versions=(parent.weight_versions if parent else []) + weight_versions,
+            weight_versions=(parent.weight_versions if parent else []) + [  # spans over output -> over tokens
+                VersionSpan(version=v.version, start=v.start + len(prompt.input_ids), end=v.end + len(prompt.input_ids))
+                for v in weight_versions],
             output_ids=output_ids, num_turns=(parent.num_turns if parent else 0) + 1, finish_reason=finish_reason,
             num_mismatches=(parent.num_mismatches if parent else 0) + int(prompt.mismatch),
             routed_experts=routed_experts)
 
 
-def sample_of(session_id: str, checkpoint: Checkpoint) -> SessionSample:
-    return SessionSample(session_id=session_id, tokens=list(checkpoint.tokens), loss_mask=list(checkpoint.loss_mask),
-                         rollout_logprobs=list(checkpoint.logprobs), weight_versions=list(checkpoint.weight_versions),
-                         num_turns=checkpoint.num_turns, finish_reason=checkpoint.finish_reason,
-                         num_mismatches=checkpoint.num_mismatches, routed_experts=checkpoint.routed_experts)
+def trajectory_of(checkpoint: Checkpoint, moe_shape: tuple[int, int] | None) -> Trajectory:
+    """A branch as the record the trainer consumes, its arrays inline (`moe_shape`: the model's
+    (MoE layers, top_k), to shape the routed experts; None for a dense model)."""
+    experts = None
+    if checkpoint.routed_experts and moe_shape is not None:
+        experts = np.frombuffer(checkpoint.routed_experts, dtype="<i4").reshape(-1, *moe_shape)
+    data = TokenData.build(tokens=checkpoint.tokens, loss_mask=checkpoint.loss_mask, logprobs=checkpoint.logprobs,
+                           routed_experts=experts)
+    num_generated = sum(checkpoint.loss_mask)
+    first = checkpoint.loss_mask.index(1) if num_generated else len(checkpoint.tokens)
+    return Trajectory(finish_reason=checkpoint.finish_reason, versions=tuple(checkpoint.weight_versions),
+                      num_tokens=len(checkpoint.tokens), num_prompt_tokens=first, num_generated_tokens=num_generated,
+                      num_turns=checkpoint.num_turns, num_tito_mismatches=checkpoint.num_mismatches, data=data)
 
 
 # ----- the server -----
@@ -403,7 +394,6 @@ class EngineSlot:
     num_in_flight: int = 0
     num_requests: int = 0
     num_sessions: int = 0
-    is_moe: bool | None = None  # asked once (model info): MoE engines send routed experts for R3
     alive: bool = True  # False once removed (its engine lost): no session is routed to it any more
 
 
@@ -415,10 +405,10 @@ class Turn:
     logprobs: list[float]
     text: str
     engine_finish: str  # stop, length or abort
-    weight_versions: list[str]
+    weight_versions: list[VersionSpan]  # over the output
     prompt_tokens: int
     cached_tokens: int
-    routed_experts: str | None = None
+    routed_experts: bytes = b""
 
 
 class SessionServer(AppServer):
@@ -433,13 +423,15 @@ class SessionServer(AppServer):
     def __init__(self, engine_urls: Sequence[str], model_dir_or_tokenizer: str | Path | Tokenizer,
                  host: str = "127.0.0.1", port: int = 0, *, max_sessions: int = DEFAULT_MAX_SESSIONS,
                  engine_timeout_s: float = 600.0, engine_api_key: str | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, moe_shape: tuple[int, int] | None = None) -> None:
         if not engine_urls:
             raise ValueError("give at least one engine URL (e.g. http://127.0.0.1:30000)")
+        self.moe_shape = moe_shape  # (MoE layers, top_k): routed experts are recorded (R3)
         if isinstance(model_dir_or_tokenizer, Tokenizer):
             tokenizer, self.model = model_dir_or_tokenizer, "miles-async"
         else:
             tokenizer, self.model = load_tokenizer(model_dir_or_tokenizer), Path(model_dir_or_tokenizer).name
+            self.moe_shape = ModelConfig.from_hf(model_dir_or_tokenizer).moe_shape
         self.tito = TitoTokenizer(tokenizer)
         self.tokenizer = tokenizer
         self.engine_timeout_s, self.engine_api_key = engine_timeout_s, engine_api_key
@@ -468,12 +460,15 @@ class SessionServer(AppServer):
                 await slot.client.close()
 
 
-    def samples(self, session_id: str) -> list[SessionSample]:
-        """One sample per leaf of the session's tree, oldest first; KeyError for an unknown session."""
+    def samples(self, session_id: str) -> list[Trajectory]:
+        """One sample per leaf of the session's tree, oldest first, with the session's prompt and
+        cached token counts; KeyError for an unknown session."""
         session = self.sessions[session_id]
-        return [sample_of(session_id, c) for c in session.checkpoints if c.num_children == 0]
+        return [msgspec.structs.replace(trajectory_of(c, self.moe_shape), prompt_tokens_sent=session.prompt_tokens,
+                                        cached_tokens=session.cached_tokens)
+                for c in session.checkpoints if c.num_children == 0]
 
-    def close_session(self, session_id: str) -> list[SessionSample]:
+    def close_session(self, session_id: str) -> list[Trajectory]:
         """Forget a session (freeing its checkpoints) and return its samples."""
         samples = self.samples(session_id)
         session = self.sessions.pop(session_id)
@@ -528,9 +523,7 @@ class SessionServer(AppServer):
         engine.num_in_flight += 1
         engine.num_requests += 1
         try:
-            if engine.is_moe is None:
-                engine.is_moe = bool((await engine.client.model_info()).get("is_moe"))
-            experts = {"return_routed_experts": True} if engine.is_moe else {}
+            experts = {"return_routed_experts": True} if self.moe_shape is not None else {}
             if on_text is None:
                 out = await engine.client.generate(input_ids=input_ids, sampling_params=params, return_logprob=True,
                                                    **experts)
@@ -550,16 +543,14 @@ class SessionServer(AppServer):
                                kind="server_error") from None
         finally:
             engine.num_in_flight -= 1
-        meta = out["meta_info"]
-        triples = meta.get("output_token_logprobs") or []
-        output_ids = list(out["output_ids"])
-        assert [t[1] for t in triples] == output_ids, "the engine's log-probs do not follow its output ids"
-        finish = (meta.get("finish_reason") or {}).get("type", "stop")
-        versions = meta.get("weight_versions") or [meta.get("weight_version")]
-        return Turn(output_ids=output_ids, logprobs=[float(t[0]) for t in triples], text=out.get("text", ""),
-                    engine_finish=finish, weight_versions=[str(v) for v in versions if v is not None],
-                    prompt_tokens=int(meta.get("prompt_tokens", len(input_ids))),
-                    cached_tokens=int(meta.get("cached_tokens", 0)), routed_experts=meta.get("routed_experts"))
+        output = parse_output(out, version=0)
+        if len(output.output_logprobs) != len(output.output_ids):
+            raise RequestError(f"engine {engine.url} sent {len(output.output_logprobs)} log-probs for "
+                               f"{len(output.output_ids)} tokens", status=502, kind="server_error")
+        return Turn(output_ids=output.output_ids, logprobs=output.output_logprobs, text=output.text,
+                    engine_finish=output.finish_reason, weight_versions=output.weight_versions,
+                    prompt_tokens=output.prompt_tokens or len(input_ids), cached_tokens=output.cached_tokens,
+                    routed_experts=output.routed_experts)
 
     async def complete(self, session_id: str, request: ChatRequest, on_text: Any = None) -> dict[str, Any]:
         """Run one turn of `session_id`: TITO prompt, engine, checkpoint; return chat.completion JSON."""
@@ -571,7 +562,7 @@ class SessionServer(AppServer):
         calls = parsed.tool_calls if parsed is not None else []
         content = parsed.content if parsed is not None else turn.text
         for error in parsed.errors if parsed is not None else ():
-            log.info("session %s: malformed %s", session_id, error)  # counted in stats; a learning policy writes many
+            log.debug("session %s: malformed %s", session_id, error)  # counted in stats; a learning policy writes many
         finish = ("length" if turn.engine_finish in ("length", "abort") else "tool_calls" if calls else "stop")
         reply = {"role": "assistant", "content": content,
                  **({"tool_calls": [msgspec.to_builtins(c) for c in calls]} if calls else {})}
@@ -792,5 +783,5 @@ def main(engine_urls: list[str], model_dir: str, host: str, port: int) -> int:
     return 0
 
 
-__all__ = ["ChatRequest", "Checkpoint", "RequestError", "SessionSample", "SessionServer", "TitoTokenizer",
+__all__ = ["ChatRequest", "Checkpoint", "RequestError", "SessionServer", "TitoTokenizer",
            "main", "parse_chat_request"]

@@ -7,7 +7,9 @@
         out["output_ids"], out["meta_info"]["output_token_logprobs"]
 
 Every call has a timeout; an HTTP error status raises `EngineHTTPError` carrying the server's
-message. Responses are SGLang's JSON, returned as dicts (see miles_async.engine.server).
+message. Responses are SGLang's JSON, returned as dicts (see miles_async.engine.server);
+`parse_output` reads one into an `EngineOutput`, the one form the rollout side consumes (the
+embedded engine's actor answers `Generate` with it directly).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import msgspec
 import torch
+
+from miles_async.trajectory import VersionSpan
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -39,6 +44,46 @@ class EngineHTTPError(RuntimeError):
         self.status = status
         self.message = message
         self.path = path
+
+
+class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """One finished generation, as the rollout side consumes it from any engine.
+
+    `weight_versions`: the version of every output token, as spans over output positions.
+    `routed_experts`: MoE (when asked): int32 little-endian [prompt + output tokens - 1, MoE layers,
+    top_k], SGLang's layout.
+    """
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_versions: list[VersionSpan]
+    text: str = ""
+    routed_experts: bytes = b""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def parse_output(out: dict[str, Any], *, version: int) -> EngineOutput:
+    """SGLang's /generate JSON (one item) -> `EngineOutput`. `version` is the engine's weight
+    version when the request was sent: an engine that reports no per-token spans (only its
+    `weight_version` label) gets one span, at its label when that is an integer, else at `version`."""
+    meta = out.get("meta_info") or {}
+    output_ids = [int(t) for t in out.get("output_ids") or []]
+    logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+    spans = [VersionSpan(version=int(s["version"]), start=int(s["start"]), end=int(s["end"]))
+             for s in meta.get("weight_versions") or []]
+    if not spans and output_ids:
+        try:  # SGLang's label is any text; an integer one is the pusher's version
+            final = int(str(meta.get("weight_version", "")))
+        except ValueError:
+            final = version
+        spans = [VersionSpan(version=final, start=0, end=len(output_ids))]
+    experts = base64.b64decode(meta["routed_experts"]) if meta.get("routed_experts") else b""
+    return EngineOutput(output_ids=output_ids, output_logprobs=logprobs,
+                        finish_reason=(meta.get("finish_reason") or {}).get("type", "abort"), weight_versions=spans,
+                        text=out.get("text", ""), routed_experts=experts,
+                        prompt_tokens=int(meta.get("prompt_tokens", 0)), cached_tokens=int(meta.get("cached_tokens", 0)))
 
 
 def bearer(api_key: str | None) -> dict[str, str] | None:

@@ -38,7 +38,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import torch
@@ -57,6 +57,7 @@ from miles_async.engine.request import (
 )
 from miles_async.engine.sampling import make_generator, sample
 from miles_async.engine.weights import WeightStore, parse_version
+from miles_async.trajectory import spans_of
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -75,7 +76,7 @@ class WeightsUnavailableError(RuntimeError):
     """The weights are torn (an update did not complete); nothing is served until one does (HTTP 503)."""
 
 
-class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Sizes and limits of the embedded engine."""
 
     block_size: int = 16
@@ -85,6 +86,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_prefill_tokens: int = 1024  # prompt tokens computed per step; longer prompts are chunked
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # of the generator shared by requests without a sampling_seed
+    # The weights' and activations' dtype in an `EngineActor` (a run's engines); `Engine` itself
+    # serves the model it is given.
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # True on-policy mode: the paged attention and the model (the engine switches the model it is
     # given) run batch-invariant kernels, so a token's log-prob equals the trainer's, in the same
     # mode, bit for bit. Costs throughput: ~2.5x fewer tokens/s on the tiny model on CPU.
@@ -220,11 +224,12 @@ class Engine:
             for request in list(self._requests.values()):
                 self._finish(request, {"type": "abort", "message": "the engine is shutting down"})
         self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            if asyncio.current_task().cancelling():
-                raise
+        # asyncio.wait, not `await self._task`: it raises CancelledError only when stop() itself is
+        # cancelled, never for the loop's own cancellation, so there is nothing to tell apart
+        # (Task.cancelling(), which could, is Python 3.11+).
+        await asyncio.wait([self._task])
+        if not self._task.cancelled():
+            self._task.result()  # a loop that ended with an error raises it here
         self._task = None
 
     async def __aenter__(self) -> Self:
@@ -311,7 +316,7 @@ class Engine:
             rid=state.rid, output_ids=list(state.output_ids), text=text, finish_reason=state.finish_reason,
             prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.output_ids),
             cached_tokens=state.cached_tokens, weight_version=self.weight_version,
-            weight_versions=list(state.weight_versions),
+            weight_versions=list(spans_of(state.weight_versions, state.version_counts, 0)),
             output_token_logprobs=list(state.output_logprobs) if state.return_logprob else None,
             routed_experts_TLk=state.routed_experts_TLk if finished else None,
             e2e_latency_s=(state.finished_s if finished else time.perf_counter()) - state.created_s)
@@ -466,7 +471,7 @@ class Engine:
         self.cache.tree.flush()
         self._cache_epoch += 1
         self._wake.set()  # a torn engine waits for this
-        log.info("weights now at version %s (%s)", version, self.weights.label)
+        log.debug("weights now at version %s (%s)", version, self.weights.label)
         return self.weights.label
 
     def stats(self) -> EngineStats:
@@ -650,8 +655,11 @@ class Engine:
                     self.cache.tree.insert(request.all_ids, request.blocks, request.num_computed)
             request.output_ids.append(token)
             request.output_logprobs.append(logprob)
-            if not request.weight_versions or request.weight_versions[-1] != self.weights.version:
-                request.weight_versions.append(self.weights.version)  # partial rollouts span updates
+            if request.weight_versions and request.weight_versions[-1] == self.weights.version:
+                request.version_counts[-1] += 1
+            else:  # the first token, or the first after a weight update (a partial rollout spans it)
+                request.weight_versions.append(self.weights.version)
+                request.version_counts.append(1)
             self._counters["generated_tokens"] += 1
             reason = stop_reason(request, token, self.tokenizer)
             if reason is not None:

@@ -18,6 +18,7 @@ import msgspec
 import torch
 
 from miles_async.engine.sampling import SamplingParams
+from miles_async.trajectory import VersionSpan
 
 
 class Tokenizer(Protocol):
@@ -57,7 +58,9 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     output_token_logprobs: list[float] | None = None
     routed_experts_TLk: torch.Tensor | None = None
     e2e_latency_s: float = 0.0
-    weight_versions: list[int] = []  # every weight version its tokens were sampled under, in order
+    # The weight version of every output token, as spans over output positions (a partial rollout
+    # that ran across a weight update has one span per version).
+    weight_versions: list[VersionSpan] = []
 
 
 class Phase(enum.Enum):
@@ -88,6 +91,7 @@ class Request:
     cache_epoch: int = 0  # the engine's epoch when this request's KV started; stale after a weight update
     num_retractions: int = 0
     weight_versions: list[int] = field(default_factory=list)  # every version a token was sampled under, in order
+    version_counts: list[int] = field(default_factory=list)  # how many output tokens each of them sampled
     phase: Phase = Phase.WAITING
     finish_reason: dict[str, Any] | None = None
     routed_experts_TLk: torch.Tensor | None = None

@@ -162,7 +162,8 @@ def format_output(out: GenerateOutput, engine: Engine, text_in_logprobs: bool) -
         "completion_tokens": out.completion_tokens,
         "cached_tokens": out.cached_tokens,
         "weight_version": out.weight_version,
-        "weight_versions": out.weight_versions,  # ours: the versions a partial rollout spanned
+        # The version of every output token as spans [start, end) (a partial rollout spans updates).
+        "weight_versions": [{"version": s.version, "start": s.start, "end": s.end} for s in out.weight_versions],
         "e2e_latency": round(out.e2e_latency_s, 6),
     }
     if out.output_token_logprobs is not None:

@@ -126,6 +126,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         """The decoder layers with a MoE block, in order: the L axis of routed-expert tensors."""
         return tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
 
+    @property
+    def moe_shape(self) -> tuple[int, int] | None:
+        """(MoE layers, experts per token) of a routed-expert record (R3), or None for a dense model."""
+        return (len(self.moe_layer_indices), self.num_experts_per_tok) if self.is_moe else None
+
     @classmethod
     def from_hf(cls, path_or_dict: str | Path | dict[str, Any]) -> ModelConfig:
         """Read a Hugging Face config: a checkpoint folder, a config.json path, or its dict."""

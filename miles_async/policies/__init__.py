@@ -16,7 +16,6 @@ from miles_async.policies.buffer import (
     Drawn,
     Group,
     PutDecision,
-    SampleRecord,
 )
 from miles_async.policies.refill import EngineRemoved, RefillConfig, RefillMetrics, RefillPolicy, Submit
 from miles_async.policies.staleness import (
@@ -30,6 +29,6 @@ from miles_async.policies.staleness import (
 
 __all__ = [
     "BufferConfig", "BufferMetrics", "BufferPolicy", "Drawn", "EngineRemoved", "Group", "PutDecision",
-    "RefillConfig", "RefillMetrics", "RefillPolicy", "SampleRecord", "Submit", "admissible", "admission_capacity",
+    "RefillConfig", "RefillMetrics", "RefillPolicy", "Submit", "admissible", "admission_capacity",
     "group_staleness", "is_stale", "sample_staleness", "trained_at_version",
 ]

@@ -21,37 +21,22 @@ scheduler, which counts it as a new admission.
 from __future__ import annotations
 
 import statistics
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 
 from miles_async.policies.staleness import group_staleness
+from miles_async.trajectory import Trajectory
 
 DropReason = Literal["aborted", "filtered", "stale"]
 DROP_REASONS: tuple[DropReason, ...] = ("aborted", "filtered", "stale")
-
-
-class SampleRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """What the policies need to know of one finished sample; the tokens live elsewhere.
-
-    versions: the engine weight version of every engine call the sample made, in order.
-    payload: an opaque reference to the sample's data (a store key, an object ref); never a tensor.
-    """
-
-    prompt_id: int
-    index: int
-    versions: tuple[int, ...]
-    reward: float
-    aborted: bool = False
-    num_output_tokens: int = 0
-    payload: Any = None
 
 
 class Group(msgspec.Struct, frozen=True, kw_only=True):
     """The n samples of one prompt, trained together (their advantages are relative to each other)."""
 
     prompt_id: int
-    samples: tuple[SampleRecord, ...]
+    samples: tuple[Trajectory, ...]  # their metadata is all the policies read; the arrays stay in the data plane
     attempt: int = 0
 
     def __post_init__(self) -> None:
@@ -62,11 +47,11 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"Group {self.prompt_id} holds samples of other prompts: {strays}")
 
     def staleness(self, trainer_version: int) -> int:
-        return group_staleness((s.versions for s in self.samples), trainer_version)
+        return group_staleness((s.weight_versions for s in self.samples), trainer_version)
 
     @property
     def oldest_version(self) -> int:
-        return min(min(s.versions) for s in self.samples)
+        return min(s.oldest_version for s in self.samples)
 
 
 class BufferConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -123,12 +108,14 @@ class BufferMetrics(msgspec.Struct, frozen=True, kw_only=True):
 
 class Drawn(msgspec.Struct, frozen=True, kw_only=True):
     """groups: the batch (oldest first), empty when fewer than asked were admissible and the caller
-    did not allow a partial batch. retry / discarded: prompt ids of the groups dropped as stale."""
+    did not allow a partial batch. retry / discarded: prompt ids of the groups dropped as stale;
+    stale: those groups (the caller releases what they hold)."""
 
     groups: list[Group]
     retry: list[int]
     discarded: list[int]
     metrics: BufferMetrics
+    stale: list[Group] = []
 
 
 class _Entry(msgspec.Struct, kw_only=True):
@@ -189,10 +176,12 @@ class BufferPolicy:
             raise ValueError(f"batch_groups must be >= 1, got {batch_groups}")
         retry: list[int] = []
         discarded: list[int] = []
+        stale: list[Group] = []
         fresh: list[_Entry] = []
         for entry in self._entries:
             if entry.staleness(trainer_version) > self.config.max_staleness:
                 self._num_dropped["stale"] += 1
+                stale.append(entry.group)
                 (retry if self.config.on_stale == "retry" else discarded).append(entry.group.prompt_id)
             else:
                 fresh.append(entry)
@@ -201,7 +190,7 @@ class BufferPolicy:
         drawn, self._entries = fresh[:take], fresh[take:]
         self._entries.sort(key=lambda e: e.seq)
         metrics = self._metrics(drawn, trainer_version, now)
-        return Drawn(groups=[e.group for e in drawn], retry=retry, discarded=discarded, metrics=metrics)
+        return Drawn(groups=[e.group for e in drawn], retry=retry, discarded=discarded, metrics=metrics, stale=stale)
 
     def _metrics(self, drawn: list[_Entry], trainer_version: int, now: float) -> BufferMetrics:
         drawn_staleness = [e.staleness(trainer_version) for e in drawn]
@@ -216,7 +205,7 @@ class BufferPolicy:
             waiting_staleness_max=max(waiting_staleness, default=0),
             drawn_wait_s_mean=_mean(waits_s),
             drawn_wait_s_max=max(waits_s, default=0.0),
-            num_dropped=dict(self._num_dropped),
+            num_dropped={reason: count for reason, count in self._num_dropped.items()},
             num_full_refusals=self._num_full_refusals,
             num_waiting=len(self._entries),
             occupancy=len(self._entries) / self.config.capacity_groups,

@@ -12,17 +12,21 @@ result, and answer with it. Reward: 1.0 for the exact product, else 0.0.
 `CalculatorEnv` is the environment layer (tools, sandbox, verifier) and `agent` the agent layer
 (call tools until the model answers in plain text, at most `max_turns` turns); see
 `miles_async.agents.api`. `sft_transcripts` writes the ideal conversations, for a warm start.
+`CalculatorTask` is the task plug-in (`miles_async.task`): a multi-turn task, named in a recipe
+as `plugin = "miles_async.tasks.calculator:CalculatorTask"` beside `[agent] agent =
+"miles_async.tasks.calculator:agent"` and `environment = "miles_async.tasks.calculator:CalculatorEnv"`.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
 from miles_async.agents.api import AgentContext, ToolError
+from miles_async.task import Completion, Split
 
 TOOLS: list[dict[str, Any]] = [{
     "type": "function",
@@ -52,6 +56,7 @@ class Problem(msgspec.Struct, frozen=True, kw_only=True):
     problem_id: int
     a: int
     b: int
+    max_turns: int = 3  # the agent's turn budget (CalculatorTaskConfig.max_turns)
 
     @property
     def text(self) -> str:
@@ -68,7 +73,8 @@ def problems(config: CalculatorTaskConfig, count: int, split: str = "train") -> 
         raise ValueError(f"split must be 'train' or 'probe', got {split!r}")
     rng = random.Random(f"calculator:{config.seed}:{split}")
     return [Problem(problem_id=i, a=rng.randint(config.min_value, config.max_value),
-                    b=rng.randint(config.min_value, config.max_value)) for i in range(count)]
+                    b=rng.randint(config.min_value, config.max_value), max_turns=config.max_turns)
+            for i in range(count)]
 
 
 class CalculatorEnv:
@@ -153,3 +159,35 @@ def sft_transcripts(items: list[Problem]) -> list[list[dict[str, Any]]]:
                     {"role": "tool", "tool_call_id": "call_0", "content": p.answer},
                     {"role": "assistant", "content": p.answer}])
     return out
+
+
+class CalculatorTask:
+    """The task plug-in (`miles_async.task.Task`): `Problem`s for an agent with the calculator tool.
+
+    Multi-turn: the run drives each problem as an agent episode and `CalculatorEnv.verify` scores
+    it. `prompt_ids` and `reward` serve a single generation (e.g. an evaluation without tools):
+    the user's question under the chat template with the tools, scored like the environment does.
+    """
+
+    Config: ClassVar[type[msgspec.Struct]] = CalculatorTaskConfig
+    Item: ClassVar[type] = Problem
+    multi_turn = True
+
+    def __init__(self, config: CalculatorTaskConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+
+    def items(self, split: Split, count: int) -> list[Problem]:
+        return problems(self.config, count, split)
+
+    def prompt_ids(self, item: Problem) -> list[int]:
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": item.text}], tools=TOOLS,
+                                                  add_generation_prompt=True)
+        return list(self.tokenizer.encode(text))
+
+    async def reward(self, item: Problem, completion: Completion) -> float:
+        return await CalculatorEnv().verify(item, completion.text)
+
+    def sft_examples(self, items: list[Problem]) -> list[tuple[list[int], list[int]]]:
+        return sft_examples(items, self.tokenizer)
+

@@ -14,33 +14,30 @@ pre-tokenized apart from the word, so prompt and answer are one token per charac
 (tests/unit/test_tasks_reverse.py checks this against the real tokenizer). An alphabet of your
 own may merge: check `len(prompt.input_ids) == len(prompt.text)`.
 
-API:
+The plug-in (`miles_async.task`): `ReverseTask`, named in a recipe as
+`plugin = "miles_async.tasks.reverse:ReverseTask"` with `[task.config]` filling
+`ReverseTaskConfig`. Its items are `Prompt`s; its reward is 1.0 when the output is exactly the
+answer (`is_correct`), else 0.0; its SFT examples put the loss on the answer and EOS only.
+
+The functions under it:
 - `ReverseTaskConfig`: the alphabet, word lengths, seed and which words are held out for probing.
 - `prompts(config, count, tokenizer, split="train" | "probe")`: a deterministic list of distinct
   `Prompt`s. A word belongs to exactly one split (a hash of the seed and the word decides), so
   the train and probe sets never share a word, whatever counts are asked for. `prompt_id` is the
   word's index in the space of all words (stable across calls, splits and counts).
 - `sft_examples(prompts, tokenizer)`: prompt + answer + EOS token ids with a loss mask over the
-  answer and EOS only, for the SFT warm start; each maps onto the trainer's `TrainSample` as
-  `TrainSample(tokens=e.tokens, loss_mask=e.loss_mask, rollout_logprobs=[0.0] * len(e.tokens))`.
-- `reward(sample)`: 1.0 if the output is exactly the answer, else 0.0. Recipes name it
-  `"miles_async.tasks.reverse:reward"`.
-- `probe_accuracy(outputs, prompts)`: the fraction answered exactly (the SFT stop rule).
-
-The reward's `sample` is anything with two attributes (the `RewardSample` protocol; the
-`Completion` struct is the ready-made one):
-- `prompt`: the `Prompt` that was asked;
-- `output_text`: the decoded generation (the response only, not the prompt).
-Checking is exact after removing surrounding whitespace and trailing end-of-text markers
-(`<|im_end|>`, `<|endoftext|>`): an engine decoding with skip_special_tokens=False leaves EOS in
-the text, and a generation cut at max tokens may lack it; neither should change the score. A
-sample missing either attribute, or holding the wrong type, raises ValueError naming the field.
+  answer and EOS only, for the SFT warm start.
+- `is_correct(output_text, answer)`: exact match after removing surrounding whitespace and
+  trailing end-of-text markers (`<|im_end|>`, `<|endoftext|>`): an engine decoding with
+  skip_special_tokens=False leaves EOS in the text, and a generation cut at max tokens may lack
+  it; neither should change the score.
+- `probe_accuracy(outputs, prompts)`: the fraction answered exactly.
 
 Try it:
     from miles_async.models import init_model, load_tokenizer
-    from miles_async.tasks.reverse import ReverseTaskConfig, prompts
-    tok = load_tokenizer(init_model("qwen3", "tiny", "/tmp/tiny"))
-    print(prompts(ReverseTaskConfig(), 3, tok, split="probe"))
+    from miles_async.tasks.reverse import ReverseTask, ReverseTaskConfig
+    task = ReverseTask(ReverseTaskConfig(), load_tokenizer(init_model("qwen3", "tiny", "/tmp/tiny")))
+    print(task.items("probe", 3))
 """
 
 from __future__ import annotations
@@ -48,11 +45,12 @@ from __future__ import annotations
 import random
 import zlib
 from collections.abc import Sequence
-from typing import Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import msgspec
 
 from miles_async.models.tokenizer import IM_END, PAD_TOKEN
+from miles_async.task import Completion
 
 Split = Literal["train", "probe"]
 # Trailing text an engine may leave when it decodes the stop token (Qwen's and our tokenizer's).
@@ -104,23 +102,6 @@ class SFTExample(msgspec.Struct, frozen=True, kw_only=True):
     prompt_id: int
     tokens: list[int]
     loss_mask: list[int]
-
-
-class Completion(msgspec.Struct, frozen=True, kw_only=True):
-    """A generated answer to a prompt: what `reward` scores."""
-
-    prompt: Prompt
-    output_text: str
-
-
-class RewardSample(Protocol):
-    """What `reward` reads (see the module docstring)."""
-
-    @property
-    def prompt(self) -> Prompt: ...
-
-    @property
-    def output_text(self) -> str: ...
 
 
 class TextTokenizer(Protocol):
@@ -211,22 +192,6 @@ def is_correct(output_text: str, answer: str) -> bool:
     return text == answer
 
 
-async def reward(sample: RewardSample) -> float:
-    """1.0 if `sample.output_text` is exactly `sample.prompt.answer` (see `is_correct`), else 0.0."""
-    # ValueError for a wrong type too: callers catch one error for "this sample is malformed".
-    prompt = getattr(sample, "prompt", None)
-    if not isinstance(prompt, Prompt):
-        raise ValueError(  # noqa: TRY004
-            f"reward needs sample.prompt to be a miles_async.tasks.reverse.Prompt, "
-            f"got {type(prompt).__name__} on a {type(sample).__name__}")
-    output_text = getattr(sample, "output_text", None)
-    if not isinstance(output_text, str):
-        raise ValueError(  # noqa: TRY004
-            f"reward needs sample.output_text to be the decoded response (str), "
-            f"got {type(output_text).__name__} on a {type(sample).__name__}")
-    return 1.0 if is_correct(output_text, prompt.answer) else 0.0
-
-
 def probe_accuracy(outputs: Sequence[str], prompts: Sequence[Prompt]) -> float:
     """The fraction of `outputs` (decoded responses, one per prompt, in order) that are correct."""
     if len(outputs) != len(prompts):
@@ -249,3 +214,28 @@ def _word_index(config: ReverseTaskConfig, word: str) -> int:
     for letter in word:
         value = value * base + config.alphabet.index(letter)
     return offset + value
+
+
+class ReverseTask:
+    """The task plug-in (`miles_async.task.Task`) over `Prompt`s of this module."""
+
+    Config: ClassVar[type[msgspec.Struct]] = ReverseTaskConfig
+    Item: ClassVar[type] = Prompt
+    multi_turn = False
+
+    def __init__(self, config: ReverseTaskConfig, tokenizer: TextTokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+
+    def items(self, split: Split, count: int) -> list[Prompt]:
+        return prompts(self.config, count, self.tokenizer, split)
+
+    def prompt_ids(self, item: Prompt) -> list[int]:
+        return item.input_ids
+
+    async def reward(self, item: Prompt, completion: Completion) -> float:
+        return 1.0 if is_correct(completion.text, item.answer) else 0.0
+
+    def sft_examples(self, items: Sequence[Any]) -> list[tuple[list[int], list[int]]]:
+        return [(e.tokens, e.loss_mask) for e in sft_examples(items, self.tokenizer)]
+

@@ -21,14 +21,15 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     The loss (`miles_async.trainer.loss`): `objective` "rl" is `miles_async.rl.policy_loss` with
     `policy_loss` (PPO clip, dual clip, TIS cap, KL and entropy coefficients, aggregation);
     "sft" is cross-entropy on the masked tokens (warm start), aggregated the same way.
-    Advantages are an input: each `TrainSample` carries its own. `old_logprobs` is the PPO
+    `advantage` is how a batch's rewards become advantages (per group of samples of one prompt),
+    applied where the step is planned (`packing.plan_step`). `old_logprobs` is the PPO
     anchor: "trainer" (this step's log-probs before the update, so the ratio is 1 and TIS
     corrects trainer vs engine) or "rollout" (the engine's, so the clip acts on that ratio and
     TIS is 1). `temperature` is the rollouts' sampling temperature: log-probs and entropy are of
     softmax(logits / temperature), the distribution the engine sampled from.
     """
 
-    model_dir: str
+    model_dir: str = ""  # set by the run (a recipe's model.path or the model it makes)
     world_size: int = 1  # trainer ranks, one process each (TrainerGroup.spawn)
     lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.999)
@@ -52,9 +53,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     process_group_timeout_s: float = 120.0
     objective: Literal["rl", "sft"] = "rl"
     policy_loss: PolicyLossConfig = PolicyLossConfig()
-    # None: each sample's `advantage` is used as given. Set: the trainer computes advantages from
-    # the rewards of each group of samples (TrainSample.group) with this estimator.
-    advantage: AdvantageConfig | None = None
+    advantage: AdvantageConfig = AdvantageConfig()
     old_logprobs: Literal["trainer", "rollout"] = "trainer"
     temperature: float = 1.0
     logprob_chunk_tokens: int = 512  # rows of [tokens, vocab] logits alive at once (kernels.logprobs)

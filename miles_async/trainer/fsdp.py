@@ -29,15 +29,18 @@ import socket
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from miles_async.transport.groups import is_loopback, listening_store
+
+if TYPE_CHECKING:
+    from miles_async.models import CausalLM
 
 ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 IFNAME_KEYS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -167,7 +170,7 @@ def single_process_group(backend: str = "auto", timeout_s: float = 60.0) -> Iter
                 os.environ[key] = value
 
 
-def shard_model(model: nn.Module, device: torch.device) -> nn.Module:
+def shard_model(model: CausalLM, device: torch.device) -> CausalLM:
     """FSDP2: `fully_shard` each decoder block, then the root (in place; returns the model).
 
     A world of one rank keeps the plain module: there is nothing to shard, and FSDP's DTensor

@@ -29,7 +29,7 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 
 from miles_async.kernels import batch_invariant
 from miles_async.kernels.logprobs import token_logprobs_from_hidden
-from miles_async.models import DenseCausalAttention
+from miles_async.models import CausalLM, DenseCausalAttention
 from miles_async.rl import METRIC_SUM_NAMES, metric_sums, policy_loss, sft_loss
 from miles_async.trainer.config import TrainerConfig
 from miles_async.trainer.packing import PackedBatch
@@ -39,13 +39,13 @@ from miles_async.trainer.packing import PackedBatch
 LOSS_SUM_NAMES: tuple[str, ...] = (*METRIC_SUM_NAMES, "loss", "pg_loss", "kl")
 
 
-def attach_logprobs(model: nn.Module, config: TrainerConfig) -> None:
+def attach_logprobs(model: CausalLM, config: TrainerConfig) -> None:
     """Give `model` (a CausalLM, sharded or not) the `token_logprobs` forward method (module docstring)."""
     temperature, chunk_tokens = config.temperature, config.logprob_chunk_tokens
 
     exact = config.batch_invariant
 
-    def token_logprobs(self: nn.Module, input_ids_1T: torch.Tensor, positions_1T: torch.Tensor,
+    def token_logprobs(self: CausalLM, input_ids_1T: torch.Tensor, positions_1T: torch.Tensor,
                        targets_T: torch.Tensor,
                        routed_experts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         attn = DenseCausalAttention(batch_invariant=exact)
@@ -62,7 +62,9 @@ def attach_logprobs(model: nn.Module, config: TrainerConfig) -> None:
         return logp_T.clone(), entropy_T.clone()
 
     # An instance method (models/ has no such method); FSDP2 then wraps it with its forward hooks.
-    model.token_logprobs = types.MethodType(token_logprobs, model)
+    # The type: ignores here and in micro_batch_loss: torch's stubs type the attributes a Module
+    # does not declare (its __getattr__/__setattr__) as tensors or modules, never as methods.
+    model.token_logprobs = types.MethodType(token_logprobs, model)  # type: ignore[assignment]
     register_fsdp_forward_method(model, "token_logprobs")
 
 
@@ -72,26 +74,14 @@ class MicroBatchLoss:
     sums_K: torch.Tensor  # float64, in the order of LOSS_SUM_NAMES
 
 
-def step_denominator(config: TrainerConfig, num_trained_per_sample: list[int]) -> int:
-    """The whole step's aggregation denominator (all micro-batches, all ranks), at least 1.
-
-    Every rank holds the global batch, so it is computed locally: trained tokens for "token"
-    aggregation, sequences with a trained token otherwise (what `rl.aggregation_denominator`
-    gives, summed).
-    """
-    if config.policy_loss.aggregation == "token":
-        return max(sum(num_trained_per_sample), 1)
-    return max(sum(1 for n in num_trained_per_sample if n > 0), 1)
-
-
 def micro_batch_loss(model: nn.Module, batch: PackedBatch, config: TrainerConfig, denominator: float,
                      device: torch.device) -> MicroBatchLoss:
     """Forward one packed micro-batch and return its loss (for backward) and its metric sums."""
     loss_config = config.policy_loss
     experts = None if batch.routed_experts_L1Tk is None else batch.routed_experts_L1Tk.to(device)
     positions_1T = batch.positions_1T.to(device)
-    logp_T, entropy_T = model.token_logprobs(batch.input_ids_1T.to(device), positions_1T,
-                                             batch.targets_T.to(device), experts)
+    logp_T, entropy_T = model.token_logprobs(  # type: ignore[operator]  # the method attach_logprobs set
+        batch.input_ids_1T.to(device), positions_1T, batch.targets_T.to(device), experts)
     mask_T = batch.loss_mask_T.to(device)
     rollout_T = batch.rollout_logprobs_T.to(device)
     seq_ids_T = (positions_1T[0] == 0).cumsum(0) - 1

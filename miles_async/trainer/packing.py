@@ -1,71 +1,53 @@
-"""Packing samples into rows without padding, and splitting a batch by ranks and by a token budget.
+"""Planning a train step over ranks, packing samples into rows without padding, and advantages.
 
-A sample is its whole token sequence (prompt and response as the engine saw them) with a loss
-mask over it: token i is trained when `loss_mask[i]` is 1, scored by the logits at i - 1 (so the
-first token of a sample is never trained). Packing concatenates the samples of one micro-batch
-into a single row whose positions restart at 0 for each sample, which is what the models'
-attention reads as a sample boundary (models/attention.py), and shifts the targets within each
-sample: the row's position j holds the target, mask, rollout log-prob and advantage of the
-token at j + 1 of the same sample.
+A sample is a `miles_async.trajectory.Trajectory` whose `data` holds its token arrays: the whole
+token sequence (prompt and response as the engine saw them) with a loss mask over it. Token i is
+trained when its mask is 1, scored by the logits at i - 1 (so the first token of a sample is
+never trained). Packing concatenates the samples of one micro-batch into a single row whose
+positions restart at 0 for each sample, which is what the models' attention reads as a sample
+boundary (models/attention.py), and shifts the targets within each sample: the row's position j
+holds the target, mask, rollout log-prob and advantage of the token at j + 1 of the same sample.
+
+Planning (`plan_step`, on the caller's side, from the samples' metadata only) gives each rank its
+share of a batch (balanced by tokens), the number of micro-batches every rank runs (the most any
+has: FSDP's collectives must pair up), the aggregation denominator of the whole batch, and each
+sample's advantage (group-relative over the samples of one prompt), so that a rank receives only
+its share and never the whole batch.
 
 Tensor names (STYLE rule 10): T packed tokens of one row.
 
 Try it:
-    samples = [TrainSample(tokens=[1, 2, 3], loss_mask=[0, 1, 1], rollout_logprobs=[0, -1, -2])]
-    packed = pack(samples)                     # packed.input_ids_1T == [[1, 2, 3]]
+    data = TokenData.build(tokens=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0, -1, -2])
+    packed = pack([data], [1.0])                # packed.input_ids_1T == [[1, 2, 3]]
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 import torch
 
 from miles_async.rl import AdvantageConfig, compute_advantages
+from miles_async.trajectory import TokenData, Trajectory
 
 
-class TrainSample(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """One trajectory as the trainer consumes it (plain lists: it rides in messages).
-
-    `rollout_logprobs[i]` is the engine's log-prob of `tokens[i]` (read where the mask is 1).
-    `advantage` applies to every trained token of the sample; `reward` is only reported.
-    `routed_experts` (MoE, R3) is what the engine recorded: int32 little-endian bytes of shape
-    [tokens, MoE layers, top_k] (SGLang's layout), for all tokens or all but the last (which the
-    engine never forwarded); empty means the trainer's router chooses.
-    `ref_logprobs` (optional) is a reference policy's log-prob of each token, for the KL term;
-    empty means none (all samples of a batch carry them or none do).
-    `group` numbers the prompt a sample answers: with `TrainerConfig.advantage` set, advantages
-    come from the rewards of each group (`with_group_advantages`).
-    """
-
-    tokens: list[int]
-    loss_mask: list[int]
-    rollout_logprobs: list[float]
-    advantage: float = 0.0
-    reward: float = 0.0
-    weight_version: int = 0
-    routed_experts: bytes = b""
-    ref_logprobs: list[float] = []
-    group: int = -1  # samples of one prompt share it (group-relative advantages); -1: none
-
-    def check(self) -> None:
-        """Raise ValueError naming the field whose length does not match `tokens`."""
-        if not self.tokens:
-            raise ValueError("a TrainSample needs at least one token, got an empty `tokens`")
-        for field in ("loss_mask", "rollout_logprobs"):
-            if len(getattr(self, field)) != len(self.tokens):
-                raise ValueError(
-                    f"TrainSample.{field} has {len(getattr(self, field))} entries for {len(self.tokens)} "
-                    "tokens; give one per token (0 where the token is not trained)")
-        if self.ref_logprobs and len(self.ref_logprobs) != len(self.tokens):
-            raise ValueError(f"TrainSample.ref_logprobs has {len(self.ref_logprobs)} entries for {len(self.tokens)} "
-                             "tokens; give one per token, or none")
-
-
-def num_trained_tokens(sample: TrainSample) -> int:
+def trained_tokens(sample: Trajectory) -> int:
     """Tokens of `sample` that carry loss (the first token never does: nothing predicts it)."""
-    return sum(1 for m in sample.loss_mask[1:] if m)
+    first_generated = sample.num_prompt_tokens == 0 and sample.num_generated_tokens > 0
+    return sample.num_generated_tokens - int(first_generated)
+
+
+def step_denominator(aggregation: str, samples: Sequence[Trajectory]) -> int:
+    """The whole step's aggregation denominator (all micro-batches, all ranks), at least 1:
+    trained tokens for "token" aggregation, sequences with a trained token otherwise (what
+    `rl.aggregation_denominator` gives, summed)."""
+    trained = [trained_tokens(s) for s in samples]
+    if aggregation == "token":
+        return max(sum(trained), 1)
+    return max(sum(1 for n in trained if n > 0), 1)
 
 
 def assign_to_ranks(lengths: list[int], world_size: int) -> list[list[int]]:
@@ -107,6 +89,60 @@ def split_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
+class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """How one batch is trained: sample indices per rank, micro-batches per rank, the batch's
+    aggregation denominator and one advantage per sample."""
+
+    per_rank: list[list[int]]
+    num_micro_batches: int
+    denominator: float
+    advantages: list[float]
+
+
+def plan_step(samples: Sequence[Trajectory], world_size: int, max_tokens: int, aggregation: str,
+              advantage: AdvantageConfig | None) -> StepPlan:
+    """Plan a step from the samples' metadata (module docstring); `advantage` None gives zeros
+    (SFT, or advantages the caller sets itself)."""
+    if not samples:
+        raise ValueError("a train step needs at least one sample")
+    lengths = [s.num_tokens for s in samples]
+    per_rank = assign_to_ranks(lengths, world_size)
+    num_micro = max(1, max(len(split_micro_batches([lengths[i] for i in idx], max_tokens)) for idx in per_rank))
+    advantages = group_advantages(samples, advantage) if advantage is not None else [0.0] * len(samples)
+    return StepPlan(per_rank=per_rank, num_micro_batches=num_micro,
+                    denominator=float(step_denominator(aggregation, samples)), advantages=advantages)
+
+
+def micro_batches(samples: Sequence[Trajectory], max_tokens: int, count: int) -> list[list[int]]:
+    """This rank's micro-batches (indices into `samples`), padded with empty ones to `count`."""
+    groups = split_micro_batches([s.num_tokens for s in samples], max_tokens)
+    if len(groups) > count:
+        raise ValueError(f"this rank's share needs {len(groups)} micro-batches but the plan says {count}: "
+                         "plan the step with the same micro_batch_tokens as the trainer's")
+    return groups + [[] for _ in range(count - len(groups))]
+
+
+def group_advantages(samples: Sequence[Trajectory], config: AdvantageConfig) -> list[float]:
+    """One advantage per sample, from the rewards of its group (the samples of one prompt attempt).
+
+    Every group needs the same number of samples (GRPO's n per prompt).
+    """
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, sample in enumerate(samples):
+        groups.setdefault((sample.prompt_id, sample.attempt), []).append(i)
+    sizes = sorted({len(members) for members in groups.values()})
+    if len(sizes) != 1:
+        raise ValueError(f"every group needs the same number of samples for advantages, got sizes {sizes}")
+    members_GS = list(groups.values())
+    rewards_GS = torch.tensor([[samples[i].reward for i in m] for m in members_GS], dtype=torch.float64)
+    advantages_GS = compute_advantages(rewards_GS, config)
+    out = [0.0] * len(samples)
+    for g, members in enumerate(members_GS):
+        for s, i in enumerate(members):
+            out[i] = float(advantages_GS[g, s])
+    return out
+
+
 @dataclass(frozen=True)
 class PackedBatch:
     """One micro-batch as a single packed row, targets already shifted within each sample."""
@@ -126,63 +162,66 @@ class PackedBatch:
         return int(self.input_ids_1T.shape[1])
 
 
-def pack(samples: list[TrainSample], moe_shape: tuple[int, int] | None = None) -> PackedBatch:
-    """Pack `samples` into one row (see the module docstring).
+def _shifted(values_T: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Per sample, values[1:] then a 0 (what position j reads about token j + 1), on the packed
+    row at once: shift the whole row by one, then zero each sample's last position (`ends`: one
+    past each sample's last index)."""
+    out_T = np.empty_like(values_T)
+    out_T[:-1] = values_T[1:]
+    out_T[ends - 1] = 0
+    return out_T
 
-    `moe_shape` is (MoE layers, top_k) of the model; with it, samples that carry
-    `routed_experts` are packed into `routed_experts_L1Tk` (all samples or none must carry them).
+
+def pack(samples: Sequence[TokenData], advantages: Sequence[float],
+         moe_shape: tuple[int, int] | None = None) -> PackedBatch:
+    """Pack `samples` (with one advantage each) into one row (see the module docstring).
+
+    `moe_shape` is (MoE layers, top_k) of the model; with it, samples that carry routed experts
+    are packed into `routed_experts_L1Tk` (all samples or none must carry them).
     No samples give a one-token row with nothing trained: a rank with fewer micro-batches than
     the others runs it so that every rank makes the same FSDP collectives.
     """
+    if len(advantages) != len(samples):
+        raise ValueError(f"pack got {len(advantages)} advantages for {len(samples)} samples")
     if not samples:
         zeros = torch.zeros(1)
         return PackedBatch(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
                            torch.zeros(1, dtype=torch.int64), zeros, zeros.clone(), zeros.clone(), 0)
-    ids: list[int] = []
-    positions: list[int] = []
-    targets: list[int] = []
-    mask: list[float] = []
-    rollout: list[float] = []
-    advantages: list[float] = []
     for sample in samples:
         sample.check()
-        length = len(sample.tokens)
-        ids.extend(sample.tokens)
-        positions.extend(range(length))
-        targets.extend(sample.tokens[1:])
-        targets.append(0)
-        mask.extend(float(m != 0) for m in sample.loss_mask[1:])
-        mask.append(0.0)
-        rollout.extend(float(x) for x in sample.rollout_logprobs[1:])
-        rollout.append(0.0)
-        advantages.extend([float(sample.advantage)] * length)
+    lengths = np.fromiter((s.num_tokens for s in samples), dtype=np.int64, count=len(samples))
+    ends = np.cumsum(lengths)
+    ids_T = np.frombuffer(b"".join(s.tokens for s in samples), dtype="<i4")
+    positions_T = np.arange(int(ends[-1])) - np.repeat(ends - lengths, lengths)
+    targets_T = _shifted(ids_T, ends)
+    mask_T = _shifted(np.frombuffer(b"".join(s.loss_mask for s in samples), dtype=np.uint8), ends).astype(np.float32)
+    rollout_T = _shifted(np.frombuffer(b"".join(s.logprobs for s in samples), dtype="<f4"), ends)
+    advantages_T = np.repeat(np.asarray(advantages, dtype=np.float32), lengths)
     return PackedBatch(
-        input_ids_1T=torch.tensor([ids], dtype=torch.int64),
-        positions_1T=torch.tensor([positions], dtype=torch.int64),
-        targets_T=torch.tensor(targets, dtype=torch.int64),
-        loss_mask_T=torch.tensor(mask, dtype=torch.float32),
-        rollout_logprobs_T=torch.tensor(rollout, dtype=torch.float32),
-        advantages_T=torch.tensor(advantages, dtype=torch.float32),
+        input_ids_1T=torch.from_numpy(ids_T.astype(np.int64)).unsqueeze(0),
+        positions_1T=torch.from_numpy(positions_T.astype(np.int64)).unsqueeze(0),
+        targets_T=torch.from_numpy(targets_T.astype(np.int64)),
+        loss_mask_T=torch.from_numpy(mask_T),
+        rollout_logprobs_T=torch.from_numpy(rollout_T.astype(np.float32)),
+        advantages_T=torch.from_numpy(advantages_T),
         num_samples=len(samples),
         routed_experts_L1Tk=_pack_experts(samples, moe_shape),
         ref_logprobs_T=_pack_ref(samples),
     )
 
 
-def _pack_ref(samples: list[TrainSample]) -> torch.Tensor | None:
-    carrying = sum(1 for s in samples if s.ref_logprobs)
+def _pack_ref(samples: Sequence[TokenData]) -> torch.Tensor | None:
+    refs = [s.ref_logprob_array() for s in samples]
+    carrying = sum(1 for r in refs if r is not None)
     if carrying == 0:
         return None
     if carrying != len(samples):
         raise ValueError(f"{carrying} of {len(samples)} samples carry ref_logprobs; the KL term needs all or none")
-    values: list[float] = []
-    for sample in samples:
-        values.extend(float(x) for x in sample.ref_logprobs[1:])
-        values.append(0.0)
-    return torch.tensor(values, dtype=torch.float32)
+    ends = np.cumsum([s.num_tokens for s in samples])
+    return torch.from_numpy(_shifted(np.concatenate([r for r in refs if r is not None]), ends).astype(np.float32))
 
 
-def _pack_experts(samples: list[TrainSample], moe_shape: tuple[int, int] | None) -> torch.Tensor | None:
+def _pack_experts(samples: Sequence[TokenData], moe_shape: tuple[int, int] | None) -> torch.Tensor | None:
     carrying = sum(1 for s in samples if s.routed_experts)
     if carrying == 0 or moe_shape is None:
         return None
@@ -191,63 +230,17 @@ def _pack_experts(samples: list[TrainSample], moe_shape: tuple[int, int] | None)
     num_layers, top_k = moe_shape
     parts = []
     for sample in samples:
-        flat = torch.frombuffer(bytearray(sample.routed_experts), dtype=torch.int32)
-        per_token = num_layers * top_k
-        num_rows = flat.numel() // per_token
-        length = len(sample.tokens)
-        if flat.numel() % per_token or num_rows not in (length, length - 1):
-            raise ValueError(
-                f"routed_experts holds {flat.numel()} int32 values; expected [tokens ({length}) or tokens - 1, "
-                f"MoE layers ({num_layers}), top_k ({top_k})]")
-        experts_TLk = flat.view(num_rows, num_layers, top_k).to(torch.int64)
-        if num_rows < length:
+        experts_RLk = sample.experts()
+        assert experts_RLk is not None
+        length = sample.num_tokens
+        if tuple(experts_RLk.shape[1:]) != (num_layers, top_k):
+            raise ValueError(f"routed_experts are [{experts_RLk.shape[0]}, {experts_RLk.shape[1]}, {experts_RLk.shape[2]}]; "
+                             f"the model has {num_layers} MoE layers and top_k {top_k}")
+        experts_TLk = torch.from_numpy(experts_RLk.astype(np.int64))
+        if experts_TLk.shape[0] < length:
             # The last token was never forwarded by the engine; its experts change only its own
             # logits, which train nothing, so any valid ids do (repeat the previous token's).
-            experts_TLk = torch.cat([experts_TLk, experts_TLk[-1:] if num_rows else
+            experts_TLk = torch.cat([experts_TLk, experts_TLk[-1:] if len(experts_TLk) else
                                      torch.arange(top_k).expand(1, num_layers, top_k)])
         parts.append(experts_TLk)
     return torch.cat(parts).permute(1, 0, 2).unsqueeze(1).contiguous()
-
-
-def experts_bytes(experts_TLk: torch.Tensor) -> bytes:
-    """`TrainSample.routed_experts` from a [tokens, MoE layers, top_k] tensor (the engine's layout)."""
-    return experts_TLk.to(torch.int32).contiguous().numpy().astype("<i4").tobytes()
-
-
-def plan_micro_batches(samples: list[TrainSample], rank: int, world_size: int,
-                       max_tokens: int) -> list[list[TrainSample]]:
-    """This rank's micro-batches of a global batch, padded with empty ones to the most any rank has.
-
-    Every rank gets the whole batch and computes every rank's plan, so all ranks agree on the
-    number of forward/backward passes (FSDP's all-gathers and reduce-scatters must pair up).
-    """
-    lengths = [len(s.tokens) for s in samples]
-    per_rank = assign_to_ranks(lengths, world_size)
-    plans = [split_micro_batches([lengths[i] for i in indices], max_tokens) for indices in per_rank]
-    num_micro = max(1, max(len(plan) for plan in plans))
-    mine = [[samples[per_rank[rank][j]] for j in group] for group in plans[rank]]
-    return mine + [[] for _ in range(num_micro - len(mine))]
-
-
-def with_group_advantages(samples: list[TrainSample], config: AdvantageConfig) -> list[TrainSample]:
-    """The samples with `advantage` computed from the rewards of their group (`TrainSample.group`).
-
-    Every sample needs a group and every group the same number of samples (GRPO's n per prompt).
-    """
-    groups: dict[int, list[int]] = {}
-    for i, sample in enumerate(samples):
-        if sample.group < 0:
-            raise ValueError(f"sample {i} has no group (TrainSample.group = {sample.group}); group-relative "
-                             "advantages need every sample's group, or leave TrainerConfig.advantage unset")
-        groups.setdefault(sample.group, []).append(i)
-    sizes = sorted({len(members) for members in groups.values()})
-    if len(sizes) != 1:
-        raise ValueError(f"every group needs the same number of samples for advantages, got sizes {sizes}")
-    members_GS = list(groups.values())
-    rewards_GS = torch.tensor([[samples[i].reward for i in m] for m in members_GS], dtype=torch.float64)
-    advantages_GS = compute_advantages(rewards_GS, config)
-    out = list(samples)
-    for g, members in enumerate(members_GS):
-        for s, i in enumerate(members):
-            out[i] = msgspec.structs.replace(samples[i], advantage=float(advantages_GS[g, s]))
-    return out

@@ -1,13 +1,15 @@
 """`Trainer`: one rank's model, optimizer and train step; the actor `TrainerRank` wraps it.
 
-A train step takes the *global* batch (every rank gets all of it), keeps this rank's share
-(`packing.plan_micro_batches`), and accumulates gradients over its micro-batches. The loss
-(`loss.micro_batch_loss`: PPO/TIS/KL/entropy of `miles_async.rl`, or SFT) is a sum over trained
-tokens divided by the aggregation denominator of the whole global batch, times the world size to
-undo FSDP's averaging of gradients over ranks (gloo has no PREMUL_SUM, so the divide factor
-cannot simply be set to 1), so the update is the same whatever the world size and the
-micro-batch budget, up to float summation order. Each micro-batch adds its metric sums to one
-float64 vector, all-reduced once per step.
+A train step takes this rank's share of a batch, planned on the caller's side from the samples'
+metadata (`packing.plan_step`: the share, one advantage per sample, the number of micro-batches
+every rank runs and the whole batch's aggregation denominator), and accumulates gradients over
+its micro-batches. The loss (`loss.micro_batch_loss`: PPO/TIS/KL/entropy of `miles_async.rl`, or
+SFT) is a sum over trained tokens divided by the aggregation denominator of the whole batch,
+times the world size to undo FSDP's averaging of gradients over ranks (gloo has no PREMUL_SUM, so
+the divide factor cannot simply be set to 1), so the update is the same whatever the world size
+and the micro-batch budget, up to float summation order. Each micro-batch adds its metric sums
+to one float64 vector, all-reduced once per step with the share's counts (samples, tokens,
+reward), so every rank reports the whole batch's metrics.
 
 Try it: see tests/unit/test_trainer_step.py (one rank over gloo, in-process).
 """
@@ -32,16 +34,12 @@ from miles_async.rl import METRIC_SUM_NAMES, RLMetrics
 from miles_async.trainer import checkpoint
 from miles_async.trainer.config import OBJECTIVES, TrainerConfig
 from miles_async.trainer.fsdp import full_tensor, shard_model
-from miles_async.trainer.loss import LOSS_SUM_NAMES, attach_logprobs, micro_batch_loss, step_denominator
-from miles_async.trainer.packing import (
-    TrainSample,
-    num_trained_tokens,
-    pack,
-    plan_micro_batches,
-    with_group_advantages,
-)
+from miles_async.trainer.loss import LOSS_SUM_NAMES, attach_logprobs, micro_batch_loss
+from miles_async.trainer.packing import micro_batches, pack, trained_tokens
+from miles_async.trajectory import TokenData, Trajectory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+COUNT_NAMES = ("num_samples", "num_tokens", "num_trained_tokens", "reward_sum")  # all-reduced with the loss sums
 
 
 class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,6 +85,8 @@ class Trainer:
         self.device = device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(config.seed)
+        if not config.model_dir:
+            raise ValueError("TrainerConfig.model_dir is empty: give the folder of the model to train")
         model = load_pretrained(config.model_dir, dtype=DTYPES[config.dtype], device=device)
         if config.batch_invariant:
             model.set_batch_invariant(True)  # before sharding: the flags live on the modules
@@ -96,15 +96,16 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
                                            eps=config.eps, weight_decay=config.weight_decay)
         model_config = model.config
-        self.moe_shape = ((len(model_config.moe_layer_indices), model_config.num_experts_per_tok)
-                          if model_config.is_moe else None)
+        self.moe_shape = model_config.moe_shape
         self.step = 0
         self.weight_version = 0
         self.data_cursor = 0
 
-    def train_step(self, samples: list[TrainSample], data_cursor: int | None = None,
-                   objective: str | None = None, lr: float | None = None) -> StepMetrics:
-        """One optimizer step on the global batch `samples`; every rank must call it with the same.
+    def train_step(self, samples: list[Trajectory], advantages: list[float], *, num_micro_batches: int,
+                   denominator: float, data_cursor: int | None = None, objective: str | None = None,
+                   lr: float | None = None) -> StepMetrics:
+        """One optimizer step; `samples` (with their `data` inline) and `advantages` are this rank's
+        share of a batch planned by `packing.plan_step`, and every rank calls it together.
 
         `objective` and `lr` override the config's for this step (an SFT warm start before RL
         runs "sft" at its own learning rate); the optimizer's state is shared by both.
@@ -116,23 +117,23 @@ class Trainer:
             if objective not in OBJECTIVES:
                 raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
             config = msgspec.structs.replace(config, objective=objective)
-        self._check_batch(samples, config)
-        if config.advantage is not None and config.objective == "rl":
-            samples = with_group_advantages(samples, config.advantage)
+        data = self._check_share(samples, advantages, config)
         start = time.perf_counter()
-        trained_per_sample = [num_trained_tokens(s) for s in samples]
-        denominator = step_denominator(config, trained_per_sample)
-        micro_batches = plan_micro_batches(samples, self.rank, self.world_size, self.config.micro_batch_tokens)
+        plan = micro_batches(samples, config.micro_batch_tokens, num_micro_batches)
         self.optimizer.zero_grad(set_to_none=True)
-        sums_K = torch.zeros(len(LOSS_SUM_NAMES), dtype=torch.float64)
-        for group in micro_batches:
-            out = micro_batch_loss(self.model, pack(group, self.moe_shape), config, denominator, self.device)
-            # FSDP averages gradients over ranks; the loss is already a mean over the global
+        sums_K = torch.zeros(len(LOSS_SUM_NAMES) + len(COUNT_NAMES), dtype=torch.float64)
+        for indices in plan:
+            packed = pack([data[i] for i in indices], [advantages[i] for i in indices], self.moe_shape)
+            out = micro_batch_loss(self.model, packed, config, denominator, self.device)
+            # FSDP averages gradients over ranks; the loss is already a mean over the whole
             # batch, so undo the average (x world size; a power of two is exact in floats).
             (out.loss * self.world_size).backward()
-            sums_K += out.sums_K.cpu()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        grad_norm = float(full_tensor(grad_norm))
+            sums_K[:len(LOSS_SUM_NAMES)] += out.sums_K.cpu()
+        sums_K[len(LOSS_SUM_NAMES):] = torch.tensor(
+            [len(samples), sum(d.num_tokens for d in data), sum(trained_tokens(s) for s in samples),
+             sum(s.reward for s in samples)], dtype=torch.float64)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        grad_norm = float(full_tensor(norm))
         # A non-finite gradient (same on every rank: the norm is reduced) skips the update.
         skipped = not math.isfinite(grad_norm)
         if not skipped:
@@ -149,26 +150,34 @@ class Trainer:
         elapsed_s = time.perf_counter() - start
         num_rl = len(METRIC_SUM_NAMES)
         rl = RLMetrics.from_sums(sums_K[:num_rl])
-        loss, pg_loss, kl = sums_K[num_rl:].tolist()
-        num_tokens = sum(len(s.tokens) for s in samples)
+        loss, pg_loss, kl = sums_K[num_rl:len(LOSS_SUM_NAMES)].tolist()
+        num_samples, num_tokens, num_trained, reward_sum = sums_K[len(LOSS_SUM_NAMES):].tolist()
         return StepMetrics(
             step=self.step, weight_version=self.weight_version, loss=loss, grad_norm=grad_norm,
-            num_samples=len(samples), num_tokens=num_tokens, num_trained_tokens=sum(trained_per_sample),
-            num_micro_batches=len(micro_batches), tokens_per_s=num_tokens / max(elapsed_s, 1e-9),
-            logprob_abs_diff=rl.logprob_abs_diff, mean_reward=sum(s.reward for s in samples) / len(samples),
+            num_samples=int(num_samples), num_tokens=int(num_tokens), num_trained_tokens=int(num_trained),
+            num_micro_batches=len(plan), tokens_per_s=num_tokens / max(elapsed_s, 1e-9),
+            logprob_abs_diff=rl.logprob_abs_diff, mean_reward=reward_sum / max(num_samples, 1),
             elapsed_s=elapsed_s, skipped=skipped, rollout_kl_k3=rl.rollout_kl_k3, clip_fraction=rl.clip_fraction,
             dual_clip_fraction=rl.dual_clip_fraction, tis_truncated_fraction=rl.tis_truncated_fraction,
             entropy=rl.entropy, pg_loss=pg_loss, kl=kl)
 
-    def _check_batch(self, samples: list[TrainSample], config: TrainerConfig) -> None:
-        if not samples:
-            raise ValueError("train_step needs at least one sample")
-        for sample in samples:
-            sample.check()
+    def _check_share(self, samples: list[Trajectory], advantages: list[float],
+                     config: TrainerConfig) -> list[TokenData]:
+        """The share's token arrays; ValueError naming what is wrong with it."""
+        if len(advantages) != len(samples):
+            raise ValueError(f"train_step got {len(advantages)} advantages for {len(samples)} samples")
+        data = []
+        for i, sample in enumerate(samples):
+            if not isinstance(sample.data, TokenData):
+                raise TypeError(f"sample {i} (prompt {sample.prompt_id}) has no token data inline "
+                                 f"({type(sample.data).__name__}): read it from the data plane first")
+            sample.data.check()
+            data.append(sample.data)
         needs_ref = config.objective == "rl" and config.policy_loss.kl_coef > 0
-        if needs_ref and not all(s.ref_logprobs for s in samples):
+        if needs_ref and not all(d.ref_logprobs for d in data):
             raise ValueError("policy_loss.kl_coef > 0 but some samples carry no ref_logprobs; compute the reference "
                              "log-probs for every sample or set kl_coef=0")
+        return data
 
     def export_weights(self, out_dir: str | Path, bucket_bytes: int) -> list[WeightBucket]:
         """Write the full weights as safetensors buckets of about `bucket_bytes` (a collective).

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from _support import config, scenario, wait_until
+from _support import config, scenario
 
 from miles_async.actors.engine import (
     BeginUpdate,
@@ -24,7 +24,7 @@ from miles_async.actors.engine import (
     Generate,
     GetChecksums,
 )
-from miles_async.actors.trainer import ExportWeights, TrainerGroup, TrainStep
+from miles_async.actors.trainer import ExportWeights, TrainerGroup
 from miles_async.actors.weights import PushWeights, WeightPusher, WeightSyncConfig
 from miles_async.engine.core import EngineConfig
 from miles_async.engine.request import GenerateRequest
@@ -32,7 +32,7 @@ from miles_async.engine.sampling import SamplingParams
 from miles_async.models import init_model, load_pretrained
 from miles_async.runtime import ActorSystem, Message, RemoteError, handler
 from miles_async.trainer.config import TrainerConfig
-from miles_async.trainer.packing import TrainSample
+from miles_async.trajectory import TokenData, Trajectory
 from miles_async.transport.shm import SharedWeights
 from miles_async.transport.verify import checksums
 
@@ -63,13 +63,12 @@ class Source:
         return weights_of(Path(self.paths[self.index]))
 
 
-class Pick(Message):
+class Pick(Message[None]):
     index: int
-    Reply: ClassVar[Any] = None
 
 
-class Pid(Message):
-    Reply: ClassVar[Any] = int
+class Pid(Message[int]):
+    """The process id of the actor's process."""
 
 
 class TestPusher(WeightPusher):
@@ -109,9 +108,11 @@ class HangingPusher(TestPusher):
     hang_after_half = True
 
 
-async def greedy(ref) -> tuple[list[int], str]:
+async def greedy(ref) -> tuple[list[int], int]:
+    """The greedy output and the one weight version all its tokens were sampled under."""
     reply = await ref.ask(Generate(request=GenerateRequest(input_ids=PROMPT, sampling_params=GREEDY)), timeout_s=ASK_S)
-    return reply.output_ids, reply.weight_version
+    assert len(reply.weight_versions) == 1 and reply.weight_versions[0].end == len(reply.output_ids)
+    return reply.output_ids, reply.weight_versions[0].version
 
 
 async def reference_outputs(system: ActorSystem, dirs: list[Path]) -> list[list[int]]:
@@ -151,7 +152,7 @@ def test_every_transport_delivers_verified_versions_to_engines_in_other_processe
                 assert report.verified and report.num_bytes > 0 and report.bytes_per_s > 0
                 assert [s.version for s in report.engines] == [version, version]
                 for engine in engines:
-                    assert await greedy(engine) == (expected[index], str(version)), (transport, index)
+                    assert await greedy(engine) == (expected[index], version), (transport, index)
                 if transport != "disk_delta":  # the delta pusher keeps its base for the next push
                     await system.stop(pusher)
             with pytest.raises(RemoteError, match="not newer than the engine's"):
@@ -217,7 +218,7 @@ def test_killing_the_pusher_midway_never_serves_a_mix_of_versions(dirs, double_b
             assert state.version == 0 and state.paused is None
             if double_buffer:
                 assert state.weights_error is None
-                assert await greedy(engine) == (expected[0], "0")
+                assert await greedy(engine) == (expected[0], 0)
             else:
                 assert "did not complete" in state.weights_error
                 with pytest.raises(RemoteError, match="torn"):
@@ -226,7 +227,7 @@ def test_killing_the_pusher_midway_never_serves_a_mix_of_versions(dirs, double_b
             fresh = await system.spawn(TestPusher, "fresh", args=([engine.name], cfg, Source(paths)))
             await fresh.ask(Pick(index=1), timeout_s=ASK_S)
             await fresh.ask(PushWeights(version=2), timeout_s=ASK_S)
-            assert await greedy(engine) == (expected[1], "2")
+            assert await greedy(engine) == (expected[1], 2)
 
     scenario(main, TIMEOUT_S)
 
@@ -234,16 +235,18 @@ def test_killing_the_pusher_midway_never_serves_a_mix_of_versions(dirs, double_b
 def test_trainer_export_feeds_the_pusher_through_the_family_converter(dirs, tmp_path):
     trainer_config = TrainerConfig(model_dir=str(dirs[0]), lr=1e-3, micro_batch_tokens=24, num_threads=1,
                                    weights_dir=str(tmp_path / "weights"), weight_bucket_bytes=64 << 10)
-    samples = [TrainSample(tokens=list(range(3, 3 + n)), loss_mask=[0] * 2 + [1] * (n - 2),
-                           rollout_logprobs=[-5.0] * n, advantage=1.0, reward=1.0) for n in (9, 12)]
+    # one prompt's two samples, one rewarded: GRPO advantages of +-0.71 (the arrays ride inline)
+    samples = [Trajectory(prompt_id=0, reward=reward, num_tokens=n, num_prompt_tokens=2, num_generated_tokens=n - 2,
+                          data=TokenData.build(tokens=list(range(3, 3 + n)), loss_mask=[0] * 2 + [1] * (n - 2),
+                                               logprobs=[-5.0] * n))
+               for n, reward in ((9, 1.0), (12, 0.0))]
 
     async def main() -> None:
         async with ActorSystem(config=config("ipc")) as system:
             trainer = await TrainerGroup.spawn(system, trainer_config, 1)
             engine = await system.spawn(EngineActor, "engine", process=True,
-                                        args=(str(dirs[0]), engine_config(double_buffer=True), ),
-                                        kwargs={"dtype": "bfloat16"})
-            metrics = await trainer.ask(TrainStep(samples=samples), ASK_S)
+                                        args=(str(dirs[0]), engine_config(double_buffer=True, dtype="bfloat16")))
+            metrics = await trainer.train(samples, timeout_s=ASK_S)
             manifest = await trainer.ask(ExportWeights(), ASK_S)
             cfg = WeightSyncConfig(family="qwen3", transport="broadcast", verify="first", timeout_s=ASK_S)
             pusher = await system.spawn(WeightPusher, "pusher", args=([engine.name], cfg))

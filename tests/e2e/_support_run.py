@@ -10,7 +10,7 @@ from pathlib import Path
 
 # A few seconds of work after start-up: 10 SFT steps, groups of 4, batches of 2 groups, short outputs.
 SHORT = ["sft.max_steps=10", "sft.probe_every=10", "sft.target_accuracy=1.0", "sft.num_probe=8",
-         "task.num_prompts=400", "loop.batch_groups=2", "rollout.group_size=4", "rollout.target_in_flight=16",
+         "task.num_prompts=400", "loop.batch_groups=2", "scheduler.group_size=4", "scheduler.target_in_flight=16",
          "buffer.filter=none", "eval.num_prompts=8", "rollout.sampling.max_new_tokens=8"]
 
 

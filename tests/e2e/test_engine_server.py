@@ -20,10 +20,11 @@ import aiohttp
 import pytest
 import torch
 
-from miles_async.engine.client import EngineClient, EngineHTTPError, decode_routed_experts
+from miles_async.engine.client import EngineClient, EngineHTTPError, decode_routed_experts, parse_output
 from miles_async.engine.core import Engine, EngineConfig
 from miles_async.engine.server import EngineServer
 from miles_async.models import init_model, load_pretrained, load_tokenizer
+from miles_async.trajectory import VersionSpan
 
 TIMEOUT_S = 60
 # Weights drawn wider than init's 0.02, so that greedy output does not repeat one token.
@@ -323,6 +324,51 @@ def test_weight_update_from_disk_changes_outputs_and_bumps_the_version(model_dir
     assert before["meta_info"]["weight_version"] == "0" and after["meta_info"]["weight_version"] == "1"
     assert after["meta_info"]["cached_tokens"] == 0  # the old weights' prefix cache is gone
     assert after["output_ids"] == greedy_loop(new_model, prompt, 10) != before["output_ids"]
+
+
+def covering_spans(out: dict) -> list[tuple[int, int, int]]:
+    """meta_info.weight_versions as (version, start, end), checked to cover every output position
+    once, in order: contiguous spans from 0 to the number of output tokens, none empty."""
+    spans = [(s["version"], s["start"], s["end"]) for s in out["meta_info"]["weight_versions"]]
+    bounds = [0] + [end for _, _, end in spans]
+    assert [start for _, start, _ in spans] == bounds[:-1], spans  # contiguous, from position 0
+    assert bounds[-1] == len(out["output_ids"]) and all(start < end for _, start, end in spans), spans
+    return spans
+
+
+def test_generate_reports_the_weight_version_of_every_output_token_as_spans(model_dir, tmp_path):
+    """A request that runs across a weight update (paused in place, as a run updates its engines)
+    gets one span per version, meeting exactly at the token where the update landed."""
+    new_dir = init_model("qwen3", "tiny", tmp_path / "new", seed=1, init_std=LIVELY_STD)
+    prompt = prompts(1, start_len=10)[0]
+    num_tokens = 200  # long enough that the pause lands well before the end, even on a loaded machine
+
+    async def scenario():
+        async with served(model_dir) as client:
+            before = await client.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 6})
+            start = await generated_tokens(client)
+            stream = client.generate_stream(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": num_tokens})
+            chunks = [await anext(stream)]
+            while len(chunks[-1]["output_ids"]) < 3:
+                chunks.append(await anext(stream))
+            await client.pause("in_place")  # returns between steps; the request keeps its KV
+            boundary = await generated_tokens(client) - start
+            await client.update_weights_from_disk(str(new_dir))
+            await client.resume()
+            chunks += [c async for c in stream]
+            after = await client.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 6})
+            return before, chunks, boundary, after
+
+    before, chunks, k, after = run(scenario())
+    assert covering_spans(before) == [(0, 0, 6)] and covering_spans(after) == [(1, 0, 6)]
+    final = chunks[-1]
+    assert final["meta_info"]["finish_reason"] == {"type": "length", "length": num_tokens} and 3 <= k < num_tokens
+    assert covering_spans(final) == [(0, 0, k), (1, k, num_tokens)] and final["meta_info"]["weight_version"] == "1"
+    for chunk in chunks:  # every partial output too; the tokens before the update stay version 0's
+        spans = covering_spans(chunk)
+        assert spans[0][0] == 0 and (len(chunk["output_ids"]) <= k) == (spans == [(0, 0, len(chunk["output_ids"]))])
+    # The rollout side's reader takes them as they are (the label "1" agrees).
+    assert parse_output(final, version=0).weight_versions == [VersionSpan(0, 0, k), VersionSpan(1, k, num_tokens)]
 
 
 def test_torn_weights_fail_health_and_requests_and_older_versions_are_refused(model_dir):

@@ -156,7 +156,7 @@ def test_an_agent_run_with_the_session_server_and_engine_on_node_1(tmp_path: Pat
     port, out = free_port(), tmp_path / "run"
     prefix = private_prefix(tmp_path)
     args = ["sft.max_steps=10", "sft.probe_every=10", "sft.num_probe=4", "loop.num_steps=3", "loop.batch_groups=2",
-            "rollout.group_size=2", "rollout.target_in_flight=8", "buffer.filter=none", "eval.every=3",
+            "scheduler.group_size=2", "scheduler.target_in_flight=8", "buffer.filter=none", "eval.every=3",
             "eval.num_prompts=4", "task.num_prompts=200", "placement.engines=[1]", "placement.sessions=1",
             "weights.transport=stream"]
     recipe = RECIPE.parent / "calculator.toml"

@@ -24,6 +24,7 @@ from miles_async.actors.recipe import load_recipe
 from miles_async.observe import SampleTrace, StepTrace, decode_trace
 from miles_async.runtime import run as run_async
 from miles_async.sim import load_trace
+from miles_async.trajectory import decode_data
 
 pytestmark = pytest.mark.slow
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "reverse.toml"
@@ -70,6 +71,23 @@ def test_the_recipe_runs_and_writes_metrics_trace_checkpoint_and_plots(tmp_path)
     assert plots.returncode == 0, plots.stderr
     assert sorted(p.name for p in (out / "plots").iterdir()) == ["mismatch.png", "reward.png", "staleness.png",
                                                                  "step_time.png"]
+
+
+@pytest.mark.timeout(240)
+def test_true_on_policy_mode_from_the_recipe_gives_exactly_zero_mismatch_on_every_step(tmp_path):
+    """`trainer.batch_invariant` and `rollout.engine.batch_invariant`: the trainer's log-prob of every
+    trained token equals the engine's bit for bit, so a synchronous run's mismatch is exactly 0.0
+    (and without them it is not: the check can fail)."""
+    short = [*SHORT, "loop.num_steps=4", "loop.mode=sync", "eval.mode=none"]
+    on = tmp_path / "on"
+    proc = run_cli(["run", str(RECIPE), "--out", str(on), "--quiet", *short, "trainer.batch_invariant=true",
+                    "rollout.engine.batch_invariant=true"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["logprob_abs_diff"] for r in rows(on)] == [0.0] * 4
+    off = tmp_path / "off"
+    proc = run_cli(["run", str(RECIPE), "--out", str(off), "--quiet", *short])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert any(r["logprob_abs_diff"] > 0.0 for r in rows(off))
 
 
 @pytest.mark.timeout(240)
@@ -142,7 +160,7 @@ def test_an_engine_killed_mid_run_loses_no_sample_and_trains_none_twice(tmp_path
     controller = Controller(config, tmp_path, progress=False)
 
     async def kill_engine_1():
-        victim = next(e for e in controller.engines if e.name == "engine-1")
+        victim = next(e for e in controller.fleet.engines if e.name == "engine-1")
         state = await victim.ask(EngineStatus(), timeout_s=30)
         os.kill(state.pid, signal.SIGKILL)
 
@@ -181,7 +199,7 @@ def test_a_rollout_worker_stopped_mid_run_leaves_its_share_to_the_others(tmp_pat
 @pytest.mark.timeout(240)
 def test_abort_and_retry_across_weight_updates(tmp_path):
     config = load_recipe(RECIPE, [*SHORT, "loop.num_steps=6", "rollout.partial=abort_retry", "eval.mode=none",
-                                  "rollout.sampling.max_new_tokens=24", "rollout.target_in_flight=32"])
+                                  "rollout.sampling.max_new_tokens=24", "scheduler.target_in_flight=32"])
     result = run_async(Controller(config, tmp_path, progress=False).run())
     assert result.num_steps == 6
     samples = [r for r in decode_trace(tmp_path / "trace.jsonl") if isinstance(r, SampleTrace)]
@@ -195,7 +213,7 @@ def test_abort_and_retry_across_weight_updates(tmp_path):
 def test_the_multi_turn_recipe_trains_agent_episodes_through_the_session_server(tmp_path):
     recipe = RECIPE.parent / "calculator.toml"
     config = load_recipe(recipe, ["sft.max_steps=10", "sft.probe_every=10", "sft.num_probe=4", "loop.num_steps=3",
-                                  "loop.batch_groups=2", "rollout.group_size=2", "rollout.target_in_flight=8",
+                                  "loop.batch_groups=2", "scheduler.group_size=2", "scheduler.target_in_flight=8",
                                   "buffer.filter=none", "eval.every=3", "eval.num_prompts=4",
                                   "task.num_prompts=200"])
     result = run_async(Controller(config, tmp_path, progress=False).run())
@@ -213,14 +231,22 @@ def test_the_multi_turn_recipe_trains_agent_episodes_through_the_session_server(
 def test_a_moe_model_trains_on_the_experts_its_rollouts_were_routed_to(tmp_path):
     config = load_recipe(RECIPE, [*SHORT, "loop.num_steps=2", "model.family=qwen3_moe", "eval.mode=none"])
     controller = Controller(config, tmp_path, progress=False)
-    seen: list[int] = []
+    seen: list[tuple[int, ...]] = []
     trace = controller._trace_sample
+    reads: list[asyncio.Task] = []
+
+    async def experts_of(ref) -> None:  # read while the sample waits in the buffer (freed once trained)
+        data = decode_data(await controller.system.dataplane.read(ref))
+        experts = data.experts()
+        seen.append(() if experts is None else (*experts.shape, data.num_tokens))
 
     def record(sample, counted):
-        seen.append(len(sample.routed_experts))
+        if counted and sample.data is not None:
+            reads.append(asyncio.ensure_future(experts_of(sample.data)))
         trace(sample, counted)
 
     controller._trace_sample = record
     result = run_async(controller.run())
     assert result.num_steps == 2
-    assert seen and all(n > 0 for n in seen)  # every rollout came back with its routed experts
+    # every rollout came back with the experts of every token but its last, for each MoE layer
+    assert seen and all(len(s) == 4 and s[0] == s[3] - 1 and s[1] > 0 and s[2] > 0 for s in seen), seen[:3]

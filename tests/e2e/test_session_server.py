@@ -6,8 +6,10 @@ the test's own event loop, and talks to it as an agent harness would. A random m
 write real tool calls, so the tool path is checked by rendering histories that hold assistant
 tool calls and tool results (and by tests/unit/test_agents_toolcalls.py). References: the
 tokenizer's own rendering, and the engine asked directly for the same input ids.
-The last tests drive `TitoTokenizer` (the pure half of the server) with chosen sampled ids, to
-check the mismatch accounting on cases a random model cannot be made to produce.
+Later tests drive `TitoTokenizer` (the pure half of the server) with chosen sampled ids, to
+check the mismatch accounting on cases a random model cannot be made to produce; the last one runs
+the server as the `SessionHost` actor and takes a finished session's trajectory from it.
+A sample is a `miles_async.trajectory.Trajectory` with its token arrays inline.
 """
 
 from __future__ import annotations
@@ -18,16 +20,22 @@ import itertools
 import json
 
 import aiohttp
+import msgspec
+import numpy as np
 import openai
 import pytest
 import torch
 from openai import AsyncOpenAI
 
+from miles_async.actors.sessions import SessionHost, SessionsUrl, TakeSession
 from miles_async.agents.session import Checkpoint, Session, SessionServer, TitoTokenizer, parse_chat_request
 from miles_async.engine.client import EngineClient
 from miles_async.engine.core import Engine, EngineConfig
 from miles_async.engine.server import EngineServer
 from miles_async.models import init_model, load_pretrained, load_tokenizer
+from miles_async.runtime import ActorSystem, BlobRef
+from miles_async.runtime import run as run_async
+from miles_async.trajectory import TokenData, Trajectory, VersionSpan, decode_data
 
 TIMEOUT_S = 30
 pytestmark = pytest.mark.timeout(TIMEOUT_S + 10)
@@ -90,6 +98,11 @@ def joined(parts: tuple[list[int], list[int]]) -> list[int]:
     return parts[0] + parts[1]
 
 
+def tokens_of(sample: Trajectory) -> list[int]:
+    assert isinstance(sample.data, TokenData)  # the session server's samples carry their arrays inline
+    return sample.data.token_ids().tolist()
+
+
 async def http_json(method: str, url: str, **kwargs) -> tuple[int, dict]:
     async with aiohttp.ClientSession() as http, http.request(method, url, **kwargs) as response:
         return response.status, await response.json()
@@ -129,21 +142,29 @@ def test_three_turns_with_tool_history_are_token_exact(model_dir, tokenizer):
     # One linear history: one sample, its tokens the last prompt + output, mask 1 exactly on outputs.
     assert status == 200 and len(body["samples"]) == 1 and body["metadata"]["num_turns"] == 3
     (sample,) = samples
-    assert body["samples"][0] == json.loads(json.dumps(body["samples"][0])) and body["samples"][0]["tokens"] == sample.tokens
+    # The JSON is the Trajectory itself (arrays as base64): it decodes back to the very same record.
+    assert body["samples"][0] == json.loads(json.dumps(body["samples"][0]))
+    assert msgspec.convert(body["samples"][0], Trajectory) == sample
     last_prompt, last_output = extras(completions[-1][1])
-    assert sample.tokens == last_prompt + last_output and sample.num_turns == 3
-    generated = [t for t, m in zip(sample.tokens, sample.loss_mask) if m]
+    assert tokens_of(sample) == last_prompt + last_output and sample.num_turns == 3
+    assert sample.num_tokens == len(last_prompt + last_output) and sample.num_prompt_tokens == len(extras(first)[0])
+    mask = sample.data.mask()
+    generated = sample.data.token_ids()[mask == 1].tolist()
     assert generated == [t for _, c in completions for t in extras(c)[1]]
+    assert sample.num_generated_tokens == len(generated)
     spans, position = [], 0
     for _, completion in completions:
         prompt, output = extras(completion)
         spans += [0] * (len(prompt) - position) + [1] * len(output)
         position = len(prompt) + len(output)
-    assert sample.loss_mask == spans
+    assert mask.tolist() == spans
     logprobs = [e.logprob for _, c in completions for e in c.choices[0].logprobs.content]
-    assert [lp for lp, m in zip(sample.rollout_logprobs, sample.loss_mask) if m] == logprobs
-    assert all(lp == 0.0 for lp, m in zip(sample.rollout_logprobs, sample.loss_mask) if not m)
-    assert sample.weight_versions == ["0", "0", "0"]
+    rollout_logprobs = sample.data.logprob_array()  # float32, as the trainer reads them
+    np.testing.assert_array_equal(rollout_logprobs[mask == 1], np.asarray(logprobs, dtype=np.float32))
+    assert (rollout_logprobs[mask == 0] == 0.0).all()
+    # Every turn's output sampled under version 0: one span per turn, over the trajectory's positions.
+    assert sample.versions == tuple(VersionSpan(0, len(extras(c)[0]), len(joined(extras(c)))) for _, c in completions)
+    assert sample.weight_versions == (0,)
     assert [e.token for e in completions[0][1].choices[0].logprobs.content] == [
         tokenizer.decode([t]) for t in extras(completions[0][1])[1]]
     # The append-only check: counted exactly when re-tokenizing the whole rendering disagrees.
@@ -151,6 +172,7 @@ def test_three_turns_with_tool_history_are_token_exact(model_dir, tokenizer):
     retokenized = tokenizer.encode(tokenizer.apply_chat_template(final_messages, tools=TOOLS,
                                                                  add_generation_prompt=True))
     assert (body["metadata"]["num_mismatches"] > 0) == (retokenized != last_prompt)
+    assert sample.num_tito_mismatches == body["metadata"]["num_mismatches"]  # one branch: every turn is on it
     assert stats["num_turns"] == 3 and stats["num_sessions"] == 1
     assert stats["cached_tokens"] > 0 and 0 < stats["prefix_cache_hit_rate"] < 1
 
@@ -176,11 +198,11 @@ def test_a_rewritten_history_branches_and_each_leaf_is_a_sample(model_dir):
     assert [s.num_turns for s in samples] == [2, 2, 2]
     linear, rewritten, branch = samples
     shared = extras(first)[0] + extras(first)[1]
-    assert linear.tokens[:len(shared)] == shared == branch.tokens[:len(shared)]
-    assert linear.tokens == joined(extras(second)) and branch.tokens == joined(extras(middle))
-    assert rewritten.tokens[:len(shared)] != shared
+    assert tokens_of(linear)[:len(shared)] == shared == tokens_of(branch)[:len(shared)]
+    assert tokens_of(linear) == joined(extras(second)) and tokens_of(branch) == joined(extras(middle))
+    assert tokens_of(rewritten)[:len(shared)] != shared
     for sample in samples:
-        assert len(sample.tokens) == len(sample.loss_mask) == len(sample.rollout_logprobs)
+        assert sample.num_tokens == len(tokens_of(sample)) == len(sample.data.mask()) == len(sample.data.logprob_array())
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(model_dir):
@@ -237,7 +259,7 @@ def test_streaming_returns_the_same_turn_as_a_plain_request(model_dir):
     assert content == plain.choices[0].message.content
     assert finishes == [plain.choices[0].finish_reason]
     assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
-    assert streamed_samples[0].tokens == plain_samples[0].tokens
+    assert tokens_of(streamed_samples[0]) == tokens_of(plain_samples[0])
     assert "by-header" in sessions
 
 
@@ -321,7 +343,8 @@ def turn_one(tito: TitoTokenizer, output_ids: list[int]) -> tuple[list[dict], Ch
     prompt = tito.prompt(request, None)
     reply = {"role": "assistant", "content": "Hello there."}
     key = parse_chat_request({"messages": [reply]}, "tiny").keys[0]
-    checkpoint = tito.checkpoint(request, prompt, key, output_ids, [-0.5] * len(output_ids), ["0"], "stop")
+    checkpoint = tito.checkpoint(request, prompt, key, output_ids, [-0.5] * len(output_ids),
+                                 [VersionSpan(0, 0, len(output_ids))], "stop")
     return messages + [reply, {"role": "user", "content": "Again."}], checkpoint
 
 
@@ -352,9 +375,15 @@ def test_tito_reuses_sampled_ids_and_counts_disagreements(tokenizer, sampled, mi
     suffix_text = tokenizer.decode(prompt.input_ids[len(checkpoint.tokens):])
     assert suffix_text.endswith("<|im_start|>user\nAgain.<|im_end|>\n<|im_start|>assistant\n")
     assert suffix_text.startswith("<|im_end|>\n" if im_end not in output_ids else "\n")
-    after = tito.checkpoint(request, prompt, "k", [7, 8], [-1.0, -2.0], ["1"], "length")
+    after = tito.checkpoint(request, prompt, "k", [7, 8], [-1.0, -2.0], [VersionSpan(1, 0, 2)], "length")
     assert after.loss_mask == checkpoint.loss_mask + [0] * (len(prompt.input_ids) - len(checkpoint.tokens)) + [1, 1]
-    assert after.num_mismatches == int(mismatch) and after.weight_versions == ["0", "1"]
+    # The spans over each turn's output move to the trajectory's positions: exactly the masked tokens.
+    first_output = len(checkpoint.tokens) - len(output_ids)
+    assert after.num_mismatches == int(mismatch) and after.weight_versions == [
+        VersionSpan(0, first_output, len(checkpoint.tokens)),
+        VersionSpan(1, len(prompt.input_ids), len(prompt.input_ids) + 2)]
+    assert [i for i, m in enumerate(after.loss_mask) if m] == [
+        i for span in after.weight_versions for i in range(span.start, span.end)]
 
 
 @pytest.fixture(scope="module")
@@ -402,16 +431,13 @@ def test_a_model_that_calls_a_tool_gets_openai_tool_calls_and_a_masked_trajector
                                                                                       {"a": 12, "b": 34})
     assert second.choices[0].finish_reason == "stop" and second.choices[0].message.content == "408"
     assert status == 200 and len(body["samples"]) == 1
-    sample = body["samples"][0]
-    generated = [t for t, m in zip(sample["tokens"], sample["loss_mask"]) if m]
+    sample = msgspec.convert(body["samples"][0], Trajectory)
+    generated = sample.data.token_ids()[sample.data.mask() == 1].tolist()
     assert generated == extras(first)[1] + extras(second)[1]  # exactly the sampled ids, both turns
+    assert sample.num_turns == 2 and sample.finish_reason == "stop"
 
 
 def test_a_moe_engine_s_routed_experts_ride_in_the_session_sample():
-    import base64
-
-    import numpy as np
-
     async def main(folder):
         async with served(folder) as (server, _):
             client = client_for(server, "moe")
@@ -425,7 +451,53 @@ def test_a_moe_engine_s_routed_experts_ride_in_the_session_sample():
 
     with tempfile.TemporaryDirectory() as tmp:
         sample, config = run(main(init_model("qwen3_moe", "tiny", tmp, seed=0, init_std=LIVELY_STD)))
-    experts = np.frombuffer(base64.b64decode(sample.routed_experts), dtype="<i4")
+    experts = sample.data.experts()
     num_layers, top_k = len(config.moe_layer_indices), config.num_experts_per_tok
-    assert experts.size == (len(sample.tokens) - 1) * num_layers * top_k  # every token but the last
+    assert experts.shape == (sample.num_tokens - 1, num_layers, top_k)  # every token but the last
     assert experts.min() >= 0 and experts.max() < config.num_experts
+    assert sample.data.experts_dtype == "uint8"  # fewer than 256 experts: one byte each
+
+
+def test_take_session_returns_the_latest_branch_with_its_arrays_in_the_data_plane(model_dir):
+    """`actors.sessions.TakeSession`, as a rollout worker sends it when an episode is over: the
+    `SessionHost` actor in a real ActorSystem, its server in front of a real embedded engine."""
+    async def turn(client, messages):
+        completion = await client.chat.completions.create(model="tiny", messages=messages, logprobs=True, **GREEDY)
+        return completion, messages + [reply_message(completion)]
+
+    async def scenario():
+        engine = Engine.from_pretrained(str(model_dir), config=EngineConfig(kv_cache_mib=8, block_size=8))
+        async with EngineServer(engine) as engine_server, ActorSystem() as system:
+            host = await system.spawn(SessionHost, "sessions", args=([engine_server.url], str(model_dir)))
+            url = await host.ask(SessionsUrl(), timeout_s=TIMEOUT_S)
+            client = AsyncOpenAI(base_url=f"{url}/sessions/ep/v1", api_key="x", max_retries=0, timeout=TIMEOUT_S)
+            first, _ = await turn(client, [{"role": "user", "content": "Name a prime number."}])
+            second, history = await turn(client, [{"role": "user", "content": "Name an even number."}])  # a new root
+            third, _ = await turn(client, history + [{"role": "user", "content": "A larger one."}])
+            taken = await host.ask(TakeSession(session_id="ep"), timeout_s=TIMEOUT_S)
+            assert isinstance(taken.data, BlobRef)
+            data = decode_data(await system.dataplane.read(taken.data))
+            num_blobs = system.dataplane.stats.num_blobs
+            again = await host.ask(TakeSession(session_id="ep"), timeout_s=TIMEOUT_S)
+            unknown = await host.ask(TakeSession(session_id="nobody"), timeout_s=TIMEOUT_S)
+            status, _ = await http_json("GET", f"{url}/sessions/ep/samples")
+            system.dataplane.free([taken.data])  # the consumer's part
+            return (first, second, third), taken, data, num_blobs, again, unknown, status, system.dataplane.stats
+
+    completions, taken, data, num_blobs, again, unknown, status, stats = run_async(
+        asyncio.wait_for(scenario(), TIMEOUT_S))
+    first, second, third = completions
+    # The latest branch (the rewritten history, two turns), not the first one the session left behind.
+    assert data.token_ids().tolist() == joined(extras(third)) and taken.num_turns == 2
+    assert data.token_ids()[:len(joined(extras(second)))].tolist() == joined(extras(second))
+    assert data.token_ids()[:len(joined(extras(first)))].tolist() != joined(extras(first))
+    mask = data.mask()
+    assert data.token_ids()[mask == 1].tolist() == extras(second)[1] + extras(third)[1]
+    logprobs = [e.logprob for c in (second, third) for e in c.choices[0].logprobs.content]
+    np.testing.assert_array_equal(data.logprob_array()[mask == 1], np.asarray(logprobs, dtype=np.float32))
+    assert taken.versions == tuple(VersionSpan(0, len(extras(c)[0]), len(joined(extras(c)))) for c in (second, third))
+    assert (taken.num_tokens, taken.num_generated_tokens) == (data.num_tokens, int(mask.sum()))
+    assert taken.prompt_tokens_sent == sum(c.usage.prompt_tokens for c in completions)  # the session's, all turns
+    assert num_blobs == 1 and stats.num_blobs == 0
+    # The session is closed: taking it again, or a session that never was, gives None; HTTP forgets it.
+    assert again is None and unknown is None and status == 404

@@ -4,20 +4,26 @@ What is under test is the process handling: the command line it builds, waiting 
 reporting a server that dies or never gets healthy (with its log), and stopping the process group.
 The server it starts here is our own embedded engine behind a stand-in `launch_server` command
 that takes SGLang's arguments; tests/gpu/test_sglang.py starts the real one.
+The last tests read SGLang-shaped /generate JSON with `parse_output`, the one reader of an
+engine's answer on the rollout side: with the embedded engine's per-token version spans, and
+without them (SGLang reports only its `weight_version` label).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import socket
 import sys
 
+import numpy as np
 import pytest
 
-from miles_async.engine.client import EngineClient
+from miles_async.engine.client import EngineClient, EngineOutput, parse_output
 from miles_async.engine.sglang import SGLangServer, SGLangStartError
 from miles_async.models import init_model
+from miles_async.trajectory import VersionSpan
 
 TIMEOUT_S = 60
 # `launch_server --model-path M --host H --port P`, served by the embedded engine.
@@ -74,3 +80,44 @@ def test_a_server_that_never_gets_healthy_is_stopped(tmp_path):
         run(server.start(timeout_s=1.5))
     with pytest.raises(ProcessLookupError):
         os.kill(server.pid, 0)  # stopped and reaped, not left behind
+
+
+def sglang_json(num_tokens: int, **meta) -> dict:
+    """One /generate item as SGLang writes it (return_logprob: [logprob, token id, text] entries)."""
+    output_ids = list(range(100, 100 + num_tokens))
+    return {"text": "x" * num_tokens, "output_ids": output_ids, "meta_info": {
+        "id": "r1", "finish_reason": {"type": "length", "length": num_tokens}, "prompt_tokens": 7,
+        "completion_tokens": num_tokens, "cached_tokens": 3, "weight_version": "default", "e2e_latency": 0.5,
+        "output_token_logprobs": [[-0.25 * (i + 1), t, None] for i, t in enumerate(output_ids)], **meta}}
+
+
+def test_parse_output_reads_per_token_version_spans():
+    experts = np.arange((7 + 5 - 1) * 2 * 2, dtype="<i4") % 8  # [prompt + output - 1, 2 layers, top 2], kept as sent
+    out = parse_output(sglang_json(5, weight_version="2", routed_experts=base64.b64encode(experts.tobytes()).decode(),
+                                   weight_versions=[{"version": 1, "start": 0, "end": 2},
+                                                    {"version": 2, "start": 2, "end": 5}]), version=0)
+    assert out == EngineOutput(output_ids=[100, 101, 102, 103, 104], output_logprobs=[-0.25, -0.5, -0.75, -1.0, -1.25],
+                               finish_reason="length", weight_versions=[VersionSpan(1, 0, 2), VersionSpan(2, 2, 5)],
+                               text="xxxxx", routed_experts=experts.tobytes(), prompt_tokens=7, cached_tokens=3)
+
+
+@pytest.mark.parametrize("label, version, expected", [
+    ("default", 4, 4),  # SGLang's label when no version was ever set: the version the request was sent at
+    ("3", 4, 3),        # an integer label is the engine's own word on its weights
+    ("-1", 0, -1),
+])
+def test_parse_output_without_spans_gives_one_span_over_the_whole_output(label, version, expected):
+    out = parse_output(sglang_json(4, weight_version=label), version=version)
+    assert out.weight_versions == [VersionSpan(expected, 0, 4)]
+    assert (out.output_ids, out.finish_reason, out.prompt_tokens, out.cached_tokens) == ([100, 101, 102, 103], "length",
+                                                                                         7, 3)
+    assert out.routed_experts == b""
+
+
+def test_parse_output_of_an_aborted_or_empty_answer():
+    aborted = sglang_json(0, finish_reason={"type": "abort", "message": "paused"})
+    assert parse_output(aborted, version=2) == EngineOutput(
+        output_ids=[], output_logprobs=[], finish_reason="abort", weight_versions=[], prompt_tokens=7, cached_tokens=3)
+    unfinished = {"output_ids": [5], "meta_info": {"finish_reason": None}}  # no logprobs asked, no label
+    assert parse_output(unfinished, version=2) == EngineOutput(
+        output_ids=[5], output_logprobs=[], finish_reason="abort", weight_versions=[VersionSpan(2, 0, 1)])

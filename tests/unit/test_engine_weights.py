@@ -15,6 +15,7 @@ from miles_async.engine.request import GenerateRequest
 from miles_async.engine.sampling import SamplingParams
 from miles_async.engine.weights import StaleVersionError, WeightStore, parse_version
 from miles_async.models import init_model, load_pretrained
+from miles_async.trajectory import VersionSpan
 from miles_async.transport import colocated
 from miles_async.transport.disk_delta import write_delta
 from miles_async.transport.errors import TransportError
@@ -300,8 +301,11 @@ def test_a_request_spanning_an_update_reports_every_version_it_was_sampled_under
             while len(state.output_ids) < 3:
                 await asyncio.sleep(0.001)
             await engine.update_weights_from_tensors(other, 1)
+            boundary = len(state.output_ids)  # the update landed between steps: the next token is version 1's
             await state.done.wait()
-            return engine.snapshot(state)
+            return engine.snapshot(state), boundary
 
-    out = run(scenario())
-    assert out.weight_versions == [0, 1] and len(out.output_ids) == 40
+    out, k = run(scenario())
+    assert 3 <= k < 40 and len(out.output_ids) == 40
+    # One span per version, over output positions, meeting exactly where the update landed.
+    assert out.weight_versions == [VersionSpan(0, 0, k), VersionSpan(1, k, 40)]

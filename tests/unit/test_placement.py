@@ -6,8 +6,13 @@ import os
 
 import pytest
 
-from miles_async.actors.controller import Controller, Node
+from miles_async.actors.controller import Controller
+from miles_async.actors.fleet import Fleet, Node, RunFolder
 from miles_async.actors.recipe import load_recipe
+
+
+def fleet(config, tmp_path, nodes) -> Fleet:
+    return Fleet(config, RunFolder(run_dir=tmp_path, model_dir=tmp_path, shared_token="t"), None, nodes)
 
 
 def test_engines_cycle_over_their_nodes_and_node_0_is_always_in() -> None:
@@ -43,10 +48,10 @@ def test_each_engine_gets_a_gpu_of_its_node_after_the_trainer_ranks(tmp_path) ->
     config = load_recipe(None, ["trainer.world_size=2", "placement.engines=[0,1]", "weights.transport=broadcast"])
     nodes = {0: Node(rank=0, host="a", spawner=None, num_gpus=4), 1: Node(rank=1, host="b", spawner=None, num_gpus=2),
              2: Node(rank=2, host="c", spawner=None)}
-    controller = Controller(config, tmp_path, nodes=nodes)
-    assert [controller._gpu_env(nodes[0])["CUDA_VISIBLE_DEVICES"] for _ in range(3)] == ["2", "3", "0"]
-    assert [controller._gpu_env(nodes[1])["CUDA_VISIBLE_DEVICES"] for _ in range(3)] == ["0", "1", "0"]
-    assert controller._gpu_env(nodes[2]) is None  # a CPU node: nothing set
+    placed = fleet(config, tmp_path, nodes)
+    assert [placed._gpu_env(nodes[0])["CUDA_VISIBLE_DEVICES"] for _ in range(3)] == ["2", "3", "0"]
+    assert [placed._gpu_env(nodes[1])["CUDA_VISIBLE_DEVICES"] for _ in range(3)] == ["0", "1", "0"]
+    assert placed._gpu_env(nodes[2]) is None  # a CPU node: nothing set
 
 
 def test_trainer_ranks_spread_over_nodes_get_their_local_rank_address_and_gpus(tmp_path) -> None:
@@ -55,15 +60,15 @@ def test_trainer_ranks_spread_over_nodes_get_their_local_rank_address_and_gpus(t
     assert config.placement.trainer_nodes(3) == [1, 0, 1] and config.placement.nodes == {0, 1}
     nodes = {0: Node(rank=0, host="10.0.0.1", spawner="spawner-0", num_gpus=8),
              1: Node(rank=1, host="10.0.0.2", spawner="spawner-1", num_gpus=8)}
-    controller = Controller(config, tmp_path, nodes=nodes)
-    ranks = controller._trainer_placement()
+    placed = fleet(config, tmp_path, nodes)
+    ranks = placed._trainer_placement()
     assert [(r.spawner, r.local_rank, r.host) for r in ranks] == [
         ("spawner-1", 0, "10.0.0.2"), ("spawner-0", 0, "10.0.0.1"), ("spawner-1", 1, "10.0.0.2")]
-    assert controller._gpu_env(nodes[1]) == {"CUDA_VISIBLE_DEVICES": "2"}  # after ranks 0 and 2 (GPUs 0, 1)
-    assert controller._gpu_env(nodes[0]) == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert placed._gpu_env(nodes[1]) == {"CUDA_VISIBLE_DEVICES": "2"}  # after ranks 0 and 2 (GPUs 0, 1)
+    assert placed._gpu_env(nodes[0]) == {"CUDA_VISIBLE_DEVICES": "1"}
     one = load_recipe(None, ["trainer.world_size=2", "placement.trainer=1"])  # one number: every rank there
     assert one.placement.trainer_nodes(2) == [1, 1]
-    ranks = Controller(one, tmp_path, nodes=nodes)._trainer_placement()
+    ranks = fleet(one, tmp_path, nodes)._trainer_placement()
     # all on one node: their process group stays on that node's loopback (no unauthenticated socket outside)
     assert [(r.spawner, r.local_rank, r.host) for r in ranks] == [("spawner-1", 0, "127.0.0.1"),
                                                                    ("spawner-1", 1, "127.0.0.1")]
@@ -84,7 +89,7 @@ def test_a_rank_binds_the_interface_holding_its_node_address(monkeypatch) -> Non
 def test_starting_the_processes_stops_at_the_first_failure_and_cancels_the_rest() -> None:
     import asyncio
 
-    from miles_async.actors.controller import _all_or_none
+    from miles_async.actors.fleet import _all_or_none
 
     cancelled = []
 

@@ -6,13 +6,20 @@ import asyncio
 
 import pytest
 
-from miles_async.policies import BufferConfig, BufferPolicy, Group, SampleRecord
+from miles_async.policies import BufferConfig, BufferPolicy, Group
 from miles_async.runtime.clock import VirtualClock
+from miles_async.trajectory import Trajectory, VersionSpan
+
+
+def sample(prompt_id, index=0, versions=(0,), reward=0.0, aborted=False, num_generated_tokens=0):
+    """A finished sample's metadata (all the policy reads), one span per engine call's version."""
+    return Trajectory(prompt_id=prompt_id, index=index, versions=tuple(VersionSpan(v, 0, 0) for v in versions),
+                      reward=reward, finish_reason="abort" if aborted else "stop",
+                      num_generated_tokens=num_generated_tokens)
 
 
 def group(prompt_id, versions=(0,), rewards=(0.0, 1.0), aborted=False, attempt=0):
-    samples = tuple(SampleRecord(prompt_id=prompt_id, index=i, versions=tuple(versions), reward=r,
-                                 aborted=aborted and i == 0, num_output_tokens=10, payload=f"p{prompt_id}/{i}")
+    samples = tuple(sample(prompt_id, i, versions, r, aborted=aborted and i == 0, num_generated_tokens=10)
                     for i, r in enumerate(rewards))
     return Group(prompt_id=prompt_id, samples=samples, attempt=attempt)
 
@@ -52,6 +59,7 @@ def test_stale_groups_are_rejected_at_get(on_stale):
     drawn = policy.get(1, trainer_version=3, now=0.0)
     assert [g.prompt_id for g in drawn.groups] == [1]
     assert (drawn.retry, drawn.discarded) == (([2], []) if on_stale == "retry" else ([], [2]))
+    assert [g.prompt_id for g in drawn.stale] == [2]  # the groups themselves, for the actor to free
     assert drawn.metrics.num_dropped == {"aborted": 0, "filtered": 0, "stale": 1}
     assert policy.num_groups == 1
 
@@ -105,6 +113,6 @@ def test_bad_configs_and_groups_are_refused_with_a_clear_message():
     with pytest.raises(ValueError, match="filter"):
         BufferConfig(filter="top_k")
     with pytest.raises(ValueError, match="other prompts"):
-        Group(prompt_id=1, samples=(SampleRecord(prompt_id=2, index=0, versions=(0,), reward=0.0),))
+        Group(prompt_id=1, samples=(sample(prompt_id=2),))
     with pytest.raises(ValueError, match="no samples"):
         Group(prompt_id=1, samples=())

@@ -13,9 +13,15 @@ from miles_async.policies import (
     Group,
     RefillConfig,
     RefillPolicy,
-    SampleRecord,
     Submit,
 )
+from miles_async.trajectory import Trajectory, VersionSpan
+
+
+def sample(prompt_id, index, versions, reward, aborted=False):
+    """A finished sample's metadata (all the policies read), one span per engine call's version."""
+    return Trajectory(prompt_id=prompt_id, index=index, versions=tuple(VersionSpan(v, 0, 0) for v in versions),
+                      reward=reward, finish_reason="abort" if aborted else "stop")
 
 
 def make(target=8, n=2, b=2, k=1, max_prompts=None, engines=("e0",), per_engine=None, refill="sample"):
@@ -115,7 +121,7 @@ def test_accounting_every_sample_is_generated_once_or_explicitly_retried(refill)
     in_flight: dict[int, tuple[Submit, int]] = {}
     issued: Counter = Counter()
     lost: list[Submit] = []
-    done: dict[tuple[int, int], SampleRecord] = {}
+    done: dict[tuple[int, int], Trajectory] = {}
     trained, discarded, num_stale, versions = [], set(), 0, {"a": 0, "b": 0, "c": 0}
 
     def record(new):
@@ -124,8 +130,8 @@ def test_accounting_every_sample_is_generated_once_or_explicitly_retried(refill)
             issued[(s.prompt_id, s.index, s.attempt)] += 1
 
     def finish(s, version, tick):
-        done[(s.prompt_id, s.index)] = SampleRecord(prompt_id=s.prompt_id, index=s.index, versions=(version,),
-                                                    reward=float(rng.random() < 0.6), aborted=rng.random() < 0.02)
+        done[(s.prompt_id, s.index)] = sample(s.prompt_id, s.index, (version,), reward=float(rng.random() < 0.6),
+                                              aborted=rng.random() < 0.02)
         record(policy.on_sample_done(s.request_id, now=tick))
         if all((s.prompt_id, i) in done for i in range(n)):
             group = Group(prompt_id=s.prompt_id, samples=tuple(done.pop((s.prompt_id, i)) for i in range(n)))

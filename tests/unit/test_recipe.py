@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -17,18 +18,24 @@ def test_the_shipped_recipe_loads_and_overrides_apply():
     assert (config.loop.num_steps, config.rollout.sampling.temperature, config.eval.mode) == (7, 0.5, "none")
     assert config.loop.staleness == 0 and load_recipe(RECIPE).loop.staleness == 2
     assert load_recipe(RECIPE, ["loop.mode=one_step_off"]).loop.staleness == 1
-    assert config.task.reward == "miles_async.tasks.reverse:reward"
-    assert load_recipe(RECIPE).rollout.refill == "sample"
-    assert load_recipe(RECIPE, ["rollout.refill=group"]).rollout.refill == "group"
+    assert config.task.plugin == "miles_async.tasks.reverse:ReverseTask"
+    assert load_recipe(RECIPE).scheduler.refill == "sample"
+    assert load_recipe(RECIPE, ["scheduler.refill=group"]).scheduler.refill == "group"
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["loop.num_step=3"], "unknown key loop.'num_step'; LoopSection has: mode"),
-    (["buffer.capacity=3"], "unknown key buffer.'capacity'"),
+    (["loop.num_step=3"], "unknown key 'loop.num_step'; LoopConfig has: mode"),
+    (["buffer.capacity=3"], "unknown key 'buffer.capacity'"),
     (["nope.x=1"], "unknown key 'nope'"),
     (['loop.num_steps="many"'], r"Expected `int`, got `str` - at `\$.loop.num_steps`"),
     (["loop.mode=turbo"], "loop.mode"),
-    (["rollout.refill=batch"], "rollout.refill"),
+    (["scheduler.refill=batch"], "scheduler.refill"),
+    (["task.config.alphabet=3"], r"task.config \(miles_async.tasks.reverse:ReverseTask\): Expected `str`"),
+    (["task.config.min_length=3"], ("unknown key\\(s\\) task.config.min_length for miles_async.tasks.reverse:ReverseTask; "
+                                    "its Config has: alphabet, min_len")),
+    (["task.plugin=miles_async.tasks.reverse:nothing"], "miles_async.tasks.reverse has no 'nothing'"),
+    (["task.plugin=miles_async.tasks.reverse:prompts"], "is not a task class"),
+    (["task.plugin=miles_async.tasks.calculator:CalculatorTask"], "multi-turn: it needs \\[agent\\]"),
     (["loop.num_steps"], "must look like key=value"),
     (["loop.num_steps.x=1"], "is a value, not a table"),
     (["eval.mode=command"], "needs eval.command"),
@@ -53,3 +60,61 @@ def test_override_values_parse_as_toml_or_stay_text():
     assert parse_override("a=true") == ("a", True)
     assert parse_override("a=[1, 2]") == ("a", [1, 2])
     assert parse_override("a=shared") == ("a", "shared")
+
+
+@pytest.mark.parametrize(("key", "source"), [
+    ("buffer.max_staleness=1", "loop.mode / loop.max_staleness"),
+    ("scheduler.max_staleness=1", "loop.mode / loop.max_staleness"),
+    ("scheduler.batch_groups=2", "loop.batch_groups"),
+    ("trainer.model_dir=x", "model.path"),
+    ("trainer.temperature=0.5", "rollout.sampling.temperature"),
+    ("weights.family=qwen3", "the model's config.json"),
+    ("weights.pause_mode=abort", "rollout.partial"),
+    ("rollout.engine.shared_weights=true", 'weights.transport = "shm"'),
+])
+def test_a_setting_the_run_derives_is_refused_naming_its_source(key, source):
+    """No setting is silently overridden: a field the run sets from elsewhere cannot be set too."""
+    with pytest.raises(ValueError, match=f"is set by the run from {re.escape(source)}"):
+        load_recipe(RECIPE, [key])
+
+
+def test_every_default_is_the_components_own():
+    """A recipe section is the component's config struct: no second set of defaults."""
+    from miles_async.actors.weights import WeightSyncConfig
+    from miles_async.engine.core import EngineConfig
+    from miles_async.policies.buffer import BufferConfig
+    from miles_async.policies.refill import RefillConfig
+    from miles_async.trainer.config import TrainerConfig
+
+    config = load_recipe(None)
+    assert config.trainer == TrainerConfig() and config.scheduler == RefillConfig()
+    assert config.buffer == BufferConfig() and config.weights == WeightSyncConfig()
+    assert config.rollout.engine == EngineConfig()
+
+
+def test_true_on_policy_dtype_and_engine_features_are_reachable():
+    config = load_recipe(RECIPE, ["trainer.batch_invariant=true", "rollout.engine.batch_invariant=true",
+                                  "trainer.dtype=bfloat16", "rollout.engine.dtype=bfloat16"])
+    assert config.trainer.batch_invariant and config.rollout.engine.batch_invariant
+    assert (config.trainer.dtype, config.rollout.engine.dtype) == ("bfloat16", "bfloat16")
+
+
+def test_colocated_is_refused_when_the_recipe_loads():
+    with pytest.raises(ValueError, match='"colocated" hands the weights over inside one process'):
+        load_recipe(RECIPE, ["weights.transport=colocated"])
+
+
+def test_the_calculator_recipe_loads_as_a_multi_turn_task():
+    config = load_recipe(RECIPE.with_name("calculator.toml"))
+    assert config.task.plugin.endswith(":CalculatorTask") and config.agent.agent
+    with pytest.raises(ValueError, match="only with a multi-turn task"):
+        load_recipe(RECIPE, ["agent.agent=miles_async.tasks.calculator:agent",
+                             "agent.environment=miles_async.tasks.calculator:CalculatorEnv"])
+
+
+def test_the_resolved_recipe_holds_the_tasks_config(tmp_path):
+    from miles_async.actors.recipe import dump_recipe
+
+    tree = dump_recipe(load_recipe(RECIPE))
+    assert tree["task"]["config"]["alphabet"] == "fgjkmpqv" and tree["task"]["config"]["min_len"] == 4
+

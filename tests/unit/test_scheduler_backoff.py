@@ -7,25 +7,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, ClassVar
 
 import pytest
 
 from miles_async.actors.buffer import PutGroup, PutReply
-from miles_async.actors.rollout import Rollout, SampleOut, SamplingConfig
+from miles_async.actors.rollout import Rollout, SamplingConfig, failed
 from miles_async.actors.scheduler import FAIL_STREAK, AddEngine, RefillScheduler
 from miles_async.policies.refill import RefillConfig
 from miles_async.runtime import Actor, ActorSystem, Message, handler
 from miles_async.runtime import run as run_async
 from miles_async.tasks.reverse import Prompt
+from miles_async.trajectory import TokenData, Trajectory, VersionSpan
 
 
-class Calls(Message):
-    Reply: ClassVar[Any] = int
+class Calls(Message[int]):
+    """How many rollouts the stand-in worker answered."""
 
 
-class Heal(Message):
-    Reply: ClassVar[Any] = None
+class Heal(Message[None]):
+    """Make the stand-in worker succeed from now on."""
 
 
 class FlakyWorker(Actor):
@@ -36,14 +36,15 @@ class FlakyWorker(Actor):
         self.healed = False
 
     @handler(concurrent=True)
-    async def rollout(self, msg: Rollout) -> SampleOut:
+    async def rollout(self, msg: Rollout) -> Trajectory:
         self.calls += 1
         now = time.time()
-        return SampleOut(request_id=msg.request_id, prompt_index=msg.prompt_index, index=msg.index,
-                         attempt=msg.attempt, engine=msg.engine, prompt_ids=[1], output_ids=[2] if self.healed else [],
-                         output_logprobs=[-0.1] if self.healed else [], output_text="",
-                         finish_reason="stop" if self.healed else "error", versions=[0], reward=0.0, submit_s=now,
-                         end_s=now, error="" if self.healed else "RuntimeError: chat completion failed (401)")
+        if not self.healed:
+            return failed(msg, now, 1, "error", "RuntimeError: chat completion failed (401)")
+        return Trajectory(prompt_id=msg.prompt_id, index=msg.index, attempt=msg.attempt, request_id=msg.request_id,
+                          engine=msg.engine, finish_reason="stop", versions=(VersionSpan(msg.engine_version, 1, 2),),
+                          num_tokens=2, num_prompt_tokens=1, num_generated_tokens=1, submit_s=now, end_s=now,
+                          data=TokenData.build(tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -0.1]))
 
     @handler
     def count(self, msg: Calls) -> int:

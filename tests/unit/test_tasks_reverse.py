@@ -1,5 +1,6 @@
-"""miles_async.tasks.reverse: deterministic disjoint splits, one token per character with the real
-tokenizer of init_model, SFT masks over answer + EOS only, and an exact, strict reward."""
+"""miles_async.tasks.reverse: the `ReverseTask` plug-in (a `miles_async.task.Task`), deterministic
+disjoint splits, one token per character with the real tokenizer of init_model, SFT masks over
+answer + EOS only, and an exact reward."""
 
 from __future__ import annotations
 
@@ -11,17 +12,21 @@ import pytest
 
 from miles_async.models import init_model, load_tokenizer
 from miles_async.models.tokenizer import IM_END, PAD_TOKEN, Tokenizer
+from miles_async.task import Completion, Task, TaskSpec, decode_item, load_task
 from miles_async.tasks.reverse import (
-    Completion,
     Prompt,
+    ReverseTask,
     ReverseTaskConfig,
+    is_correct,
     num_words,
     probe_accuracy,
     prompts,
-    reward,
     sft_examples,
 )
-from miles_async.trainer.packing import TrainSample, num_trained_tokens
+from miles_async.trainer.packing import trained_tokens
+from miles_async.trajectory import TokenData, Trajectory
+
+PLUGIN = "miles_async.tasks.reverse:ReverseTask"
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +34,36 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return load_tokenizer(init_model("qwen3", "tiny", tmp_path_factory.mktemp("tiny")))
 
 
-def _score(sample: object) -> float:
-    return asyncio.run(reward(sample))  # type: ignore[arg-type]
+def sample(tokens: list[int], mask: list[int]) -> Trajectory:
+    """An SFT example as the trainer takes it (arrays inline, metadata from the mask)."""
+    num_generated = sum(mask)
+    return Trajectory(num_tokens=len(tokens), num_prompt_tokens=mask.index(1) if num_generated else len(tokens),
+                      num_generated_tokens=num_generated,
+                      data=TokenData.build(tokens=tokens, loss_mask=mask, logprobs=[0.0] * len(tokens)))
+
+
+@pytest.fixture(scope="module")
+def task(tokenizer: Tokenizer) -> ReverseTask:
+    return ReverseTask(ReverseTaskConfig(), tokenizer)
+
+
+def _score(task: ReverseTask, prompt: Prompt, text: str, finish_reason: str = "stop") -> float:
+    return asyncio.run(task.reward(prompt, Completion(text=text, token_ids=[], finish_reason=finish_reason)))
+
+
+def test_the_plugin_is_a_task(tokenizer: Tokenizer) -> None:
+    config = ReverseTaskConfig(seed=3)
+    task = ReverseTask(config, tokenizer)
+    assert isinstance(task, Task) and not task.multi_turn
+    assert task.Config is ReverseTaskConfig and task.Item is Prompt
+    assert task.items("train", 20) == prompts(config, 20, tokenizer)
+    assert task.items("probe", 5) == prompts(config, 5, tokenizer, split="probe")
+    for item in task.items("train", 20):
+        assert task.prompt_ids(item) == item.input_ids == tokenizer.encode(item.text)
+    # A recipe names it by path; `[task.config]` fills its Config.
+    loaded = load_task(TaskSpec(plugin=PLUGIN, config={"seed": 3}), tokenizer)
+    assert isinstance(loaded, ReverseTask) and loaded.config == config
+    assert loaded.items("train", 20) == task.items("train", 20)
 
 
 def test_prompts_are_deterministic_by_seed(tokenizer: Tokenizer) -> None:
@@ -91,15 +124,17 @@ def test_one_token_per_character_and_round_trip(tokenizer: Tokenizer) -> None:
 
 def test_sft_masks_cover_exactly_answer_and_eos(tokenizer: Tokenizer) -> None:
     batch = prompts(ReverseTaskConfig(), 20, tokenizer)
-    for p, ex in zip(batch, sft_examples(batch, tokenizer)):
+    examples = sft_examples(batch, tokenizer)
+    # the plug-in's examples are the module's, as (tokens, mask) pairs
+    assert ReverseTask(ReverseTaskConfig(), tokenizer).sft_examples(batch) == [(e.tokens, e.loss_mask) for e in examples]
+    for p, ex in zip(batch, examples):
         assert ex.prompt_id == p.prompt_id
         assert ex.tokens[: len(p.input_ids)] == p.input_ids
         assert ex.tokens[-1] == tokenizer.eos_token_id
         assert tokenizer.decode(ex.tokens[len(p.input_ids):], skip_special_tokens=True) == p.answer
         assert ex.loss_mask == [0] * len(p.input_ids) + [1] * (len(p.answer) + 1)
-        sample = TrainSample(tokens=ex.tokens, loss_mask=ex.loss_mask, rollout_logprobs=[0.0] * len(ex.tokens))
-        sample.check()
-        assert num_trained_tokens(sample) == len(p.answer) + 1
+        trajectory = sample(ex.tokens, ex.loss_mask)  # TokenData.build checks the lengths
+        assert trained_tokens(trajectory) == len(p.answer) + 1
 
 
 def test_sft_needs_an_eos(tokenizer: Tokenizer) -> None:
@@ -112,43 +147,45 @@ def test_sft_needs_an_eos(tokenizer: Tokenizer) -> None:
 
     with pytest.raises(ValueError, match="eos_token_id"):
         sft_examples(prompts(ReverseTaskConfig(), 1, tokenizer), NoEos())
+    with pytest.raises(ValueError, match="eos_token_id"):
+        ReverseTask(ReverseTaskConfig(), NoEos()).sft_examples(prompts(ReverseTaskConfig(), 1, tokenizer))
 
 
-def test_reward_is_exact() -> None:
+def test_reward_is_exact(task: ReverseTask) -> None:
     prompt = Prompt(prompt_id=0, text="r:fjqk=", input_ids=[], answer="kqjf")
     for right in ("kqjf", " kqjf\n", f"kqjf{IM_END}", f"kqjf{IM_END}{PAD_TOKEN}", f"kqjf\n{IM_END}\n"):
-        assert _score(Completion(prompt=prompt, output_text=right)) == 1.0, right
+        assert _score(task, prompt, right) == 1.0 and is_correct(right, "kqjf"), right
     for wrong in ("", "kqj", "kqjff", "fjqk", "k q j f", "KQJF", f"{IM_END}kqjf", f"kqjf{IM_END}x", "kqjf."):
-        assert _score(Completion(prompt=prompt, output_text=wrong)) == 0.0, wrong
+        assert _score(task, prompt, wrong) == 0.0 and not is_correct(wrong, "kqjf"), wrong
 
 
-def test_reward_accepts_any_object_with_the_two_fields() -> None:
-    @dataclass
-    class EngineSample:
-        prompt: Prompt
-        output_text: str
-        reward: float = 0.0
-
+def test_reward_reads_the_text_only(task: ReverseTask) -> None:
+    """Replaces the old module-level `reward(sample)`'s duck typing (any object with `prompt` and
+    `output_text`): the plug-in's reward takes the item and a typed `Completion`, and scores the
+    text alone, so a generation cut at max tokens (no EOS) scores as one that stopped."""
     prompt = Prompt(prompt_id=0, text="r:fjqk=", input_ids=[], answer="kqjf")
-    assert _score(EngineSample(prompt=prompt, output_text="kqjf")) == 1.0
+    assert _score(task, prompt, "kqjf", finish_reason="length") == 1.0
+    assert _score(task, prompt, "kqj", finish_reason="length") == 0.0
 
 
-def test_reward_refuses_malformed_samples() -> None:
-    prompt = Prompt(prompt_id=0, text="r:fjqk=", input_ids=[], answer="kqjf")
-
-    @dataclass
-    class Sample:
-        prompt: object
-        output_text: object
-
-    with pytest.raises(ValueError, match="sample.prompt"):
-        _score(Sample(prompt={"answer": "kqjf"}, output_text="kqjf"))
-    with pytest.raises(ValueError, match="sample.output_text"):
-        _score(Sample(prompt=prompt, output_text=None))
-    with pytest.raises(ValueError, match="sample.output_text"):
-        _score(Sample(prompt=prompt, output_text=[1, 2]))
-    with pytest.raises(ValueError, match="sample.prompt"):
-        _score(object())
+def test_malformed_items_and_configs_are_refused_at_the_boundary(task: ReverseTask, tokenizer: Tokenizer) -> None:
+    """The old `reward` refused a sample whose `prompt` or `output_text` was missing or ill-typed;
+    that subject is gone (the reward takes a typed `Prompt` and `Completion`). What enters as
+    plain data now is an item that crossed a node (`decode_item`), a completion decoded from a
+    message, and the recipe's `[task.config]` (`load_task`): each refuses a malformed value, naming it."""
+    prompt = task.items("train", 1)[0]
+    assert decode_item(task, prompt) is prompt
+    assert decode_item(task, msgspec.to_builtins(prompt)) == prompt
+    with pytest.raises(msgspec.ValidationError, match="answer"):
+        decode_item(task, {"prompt_id": 0, "text": "r:fjqk=", "input_ids": []})
+    with pytest.raises(msgspec.ValidationError, match=r"\$.input_ids"):
+        decode_item(task, {"prompt_id": 0, "text": "r:fjqk=", "input_ids": "fjqk", "answer": "kqjf"})
+    with pytest.raises(msgspec.ValidationError, match=r"\$.text"):
+        msgspec.convert({"text": None, "token_ids": [], "finish_reason": "stop"}, Completion)
+    with pytest.raises(ValueError, match="unknown key.*task.config.alphabets"):
+        load_task(TaskSpec(plugin=PLUGIN, config={"alphabets": "fgjk"}), tokenizer)
+    with pytest.raises(ValueError, match="task.config"):
+        load_task(TaskSpec(plugin=PLUGIN, config={"alphabet": "fgr"}), tokenizer)  # __post_init__ refuses it
 
 
 def test_probe_accuracy() -> None:

@@ -1,4 +1,4 @@
-"""Packing without padding, rank assignment and micro-batches by a token budget."""
+"""Planning a step, packing without padding, rank assignment and micro-batches by a token budget."""
 
 from __future__ import annotations
 
@@ -7,27 +7,35 @@ import pytest
 import torch
 
 from miles_async.models import CausalLM, ModelConfig
-from miles_async.rl import PolicyLossConfig
+from miles_async.rl import AdvantageConfig, PolicyLossConfig
 from miles_async.trainer.config import TrainerConfig
-from miles_async.trainer.loss import LOSS_SUM_NAMES, attach_logprobs, micro_batch_loss, step_denominator
+from miles_async.trainer.loss import LOSS_SUM_NAMES, attach_logprobs, micro_batch_loss
 from miles_async.trainer.packing import (
-    TrainSample,
     assign_to_ranks,
-    experts_bytes,
-    num_trained_tokens,
+    group_advantages,
+    micro_batches,
     pack,
-    plan_micro_batches,
+    plan_step,
     split_micro_batches,
+    step_denominator,
+    trained_tokens,
 )
+from miles_async.trajectory import TokenData, Trajectory
 
 
-def sample(tokens: list[int], mask: list[int], advantage: float = 1.0) -> TrainSample:
-    return TrainSample(tokens=tokens, loss_mask=mask, rollout_logprobs=[-float(t) for t in tokens],
-                       advantage=advantage)
+def sample(tokens: list[int], mask: list[int]) -> TokenData:
+    return TokenData.build(tokens=tokens, loss_mask=mask, logprobs=[-float(t) for t in tokens])
+
+
+def meta(tokens: list[int], mask: list[int], *, prompt_id: int = 0, reward: float = 0.0) -> Trajectory:
+    """A sample's metadata as a planner sees it (its arrays inline)."""
+    generated = sum(mask)
+    return Trajectory(prompt_id=prompt_id, num_tokens=len(tokens), num_prompt_tokens=mask.index(1) if generated else
+                      len(tokens), num_generated_tokens=generated, reward=reward, data=sample(tokens, mask))
 
 
 def test_pack_restarts_positions_and_shifts_targets_within_each_sample() -> None:
-    packed = pack([sample([5, 6, 7], [0, 1, 1], 2.0), sample([8, 9], [0, 1], -1.0)])
+    packed = pack([sample([5, 6, 7], [0, 1, 1]), sample([8, 9], [0, 1])], [2.0, -1.0])
     assert packed.input_ids_1T.tolist() == [[5, 6, 7, 8, 9]]
     assert packed.positions_1T.tolist() == [[0, 1, 2, 0, 1]]
     assert packed.targets_T.tolist() == [6, 7, 0, 9, 0]  # never a target across samples
@@ -38,17 +46,20 @@ def test_pack_restarts_positions_and_shifts_targets_within_each_sample() -> None
 
 
 def test_first_token_is_never_trained_and_empty_pack_is_a_dummy_row() -> None:
-    assert num_trained_tokens(sample([1, 2, 3], [1, 1, 0])) == 1
-    assert pack([sample([1, 2, 3], [1, 1, 0])]).loss_mask_T.tolist() == [1, 0, 0]
-    empty = pack([])
+    assert trained_tokens(meta([1, 2, 3], [1, 1, 0])) == 1
+    assert trained_tokens(meta([1, 2, 3], [0, 1, 1])) == 2
+    assert pack([sample([1, 2, 3], [1, 1, 0])], [1.0]).loss_mask_T.tolist() == [1, 0, 0]
+    empty = pack([], [])
     assert empty.num_tokens == 1 and empty.num_samples == 0 and empty.loss_mask_T.sum() == 0
 
 
 def test_mismatched_lengths_name_the_field() -> None:
     with pytest.raises(ValueError, match="loss_mask has 2 entries for 3 tokens"):
-        pack([TrainSample(tokens=[1, 2, 3], loss_mask=[0, 1], rollout_logprobs=[0, 0, 0])])
-    with pytest.raises(ValueError, match="empty"):
-        pack([TrainSample(tokens=[], loss_mask=[], rollout_logprobs=[])])
+        TokenData.build(tokens=[1, 2, 3], loss_mask=[0, 1], logprobs=[0, 0, 0])
+    with pytest.raises(ValueError, match="at least one token"):
+        TokenData.build(tokens=[], loss_mask=[], logprobs=[])
+    with pytest.raises(ValueError, match="2 advantages for 1 samples"):
+        pack([sample([1, 2], [0, 1])], [1.0, 2.0])
 
 
 def test_packed_forward_equals_separate_forwards() -> None:
@@ -57,10 +68,10 @@ def test_packed_forward_equals_separate_forwards() -> None:
     torch.manual_seed(0)
     model = CausalLM(config).eval()
     a, b = sample([3, 4, 5, 6], [0, 1, 1, 1]), sample([7, 8, 9], [0, 1, 1])
-    packed = pack([a, b])
+    packed = pack([a, b], [1.0, 1.0])
     with torch.no_grad():
         logits = model(packed.input_ids_1T, packed.positions_1T)[0]
-        alone = torch.cat([model(torch.tensor([s.tokens]))[0] for s in (a, b)])
+        alone = torch.cat([model(torch.tensor([s.token_ids().tolist()]))[0] for s in (a, b)])
     torch.testing.assert_close(logits, alone, rtol=1e-5, atol=1e-5)
 
 
@@ -77,12 +88,31 @@ def test_assign_to_ranks_balances_tokens_deterministically() -> None:
     assert assign_to_ranks([3], 2) == [[0], []]
 
 
-def test_every_rank_runs_the_same_number_of_micro_batches() -> None:
-    samples = [sample(list(range(n)), [0] + [1] * (n - 1)) for n in (9, 2, 2, 2, 2)]
-    plans = [plan_micro_batches(samples, rank, 2, max_tokens=4) for rank in range(2)]
-    assert len(plans[0]) == len(plans[1])
-    assert sorted(len(s.tokens) for plan in plans for group in plan for s in group) == [2, 2, 2, 2, 9]
+def test_every_rank_gets_only_its_share_and_runs_the_same_number_of_micro_batches() -> None:
+    samples = [meta(list(range(n)), [0] + [1] * (n - 1), prompt_id=i // 2, reward=float(i % 2))
+               for i, n in enumerate((9, 2, 2, 2, 2, 3))]
+    plan = plan_step(samples, 2, max_tokens=4, aggregation="token", advantage=AdvantageConfig())
+    assert sorted(i for share in plan.per_rank for i in share) == list(range(6))  # each sample on one rank
+    shares = [[samples[i] for i in share] for share in plan.per_rank]
+    plans = [micro_batches(share, 4, plan.num_micro_batches) for share in shares]
+    assert len(plans[0]) == len(plans[1]) == plan.num_micro_batches
+    assert sorted(shares[r][i].num_tokens for r in range(2) for group in plans[r] for i in group) == [2, 2, 2, 2, 3, 9]
     assert [] in plans[0] or [] in plans[1]  # the lighter rank runs empty (dummy) micro-batches
+    assert plan.denominator == sum(n - 1 for n in (9, 2, 2, 2, 2, 3))
+    assert plan.advantages == pytest.approx([-0.7071, 0.7071] * 3, abs=1e-4)  # per group of one prompt
+    with pytest.raises(ValueError, match="needs 4 micro-batches but the plan says 1"):
+        micro_batches(shares[0] + shares[1], 4, 1)
+    with pytest.raises(ValueError, match="at least one sample"):
+        plan_step([], 2, max_tokens=4, aggregation="token", advantage=None)
+
+
+def test_group_advantages_are_relative_within_each_prompt() -> None:
+    samples = [meta([1, 2], [0, 1], prompt_id=p, reward=r) for p, r in ((0, 1.0), (0, 0.0), (1, 0.5), (1, 0.5))]
+    grpo = AdvantageConfig(normalize_std=False)
+    assert group_advantages(samples, grpo) == [0.5, -0.5, 0.0, 0.0]
+    with pytest.raises(ValueError, match="same number of samples"):
+        group_advantages(samples[:3], grpo)
+    assert plan_step(samples, 1, 8, "token", None).advantages == [0.0] * 4  # SFT: none
 
 
 def tiny_model() -> CausalLM:
@@ -92,29 +122,32 @@ def tiny_model() -> CausalLM:
     return CausalLM(config)
 
 
-def reference_logprobs(model: CausalLM, samples: list[TrainSample]) -> list[torch.Tensor]:
+def reference_logprobs(model: CausalLM, samples: list[TokenData]) -> list[torch.Tensor]:
     """log p(token i | tokens < i) for i >= 1, one sample at a time, full float32 log_softmax."""
     out = []
     for s in samples:
-        logits_TV = model(torch.tensor([s.tokens]))[0, :-1].float()
-        out.append(torch.log_softmax(logits_TV, -1).gather(-1, torch.tensor(s.tokens[1:])[:, None])[:, 0])
+        tokens = s.token_ids().tolist()
+        logits_TV = model(torch.tensor([tokens]))[0, :-1].float()
+        out.append(torch.log_softmax(logits_TV, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0])
     return out
 
 
 def test_micro_batch_loss_matches_unpacked_sft_and_rl_losses() -> None:
     model = tiny_model()
-    samples = [TrainSample(tokens=[3, 4, 5, 6, 7], loss_mask=[0, 0, 1, 1, 1], rollout_logprobs=[0.0] + [-4.0] * 4,
-                           advantage=1.5),
-               TrainSample(tokens=[8, 9, 10], loss_mask=[0, 1, 1], rollout_logprobs=[0.0, -3.0, -5.0], advantage=-0.5)]
-    batch = pack(samples)
+    samples = [TokenData.build(tokens=[3, 4, 5, 6, 7], loss_mask=[0, 0, 1, 1, 1], logprobs=[0.0] + [-4.0] * 4),
+               TokenData.build(tokens=[8, 9, 10], loss_mask=[0, 1, 1], logprobs=[0.0, -3.0, -5.0])]
+    advantages = [1.5, -0.5]
+    metas = [Trajectory(num_tokens=5, num_prompt_tokens=2, num_generated_tokens=3),
+             Trajectory(num_tokens=3, num_prompt_tokens=1, num_generated_tokens=2)]
+    batch = pack(samples, advantages)
     with torch.no_grad():
         ref = reference_logprobs(model, samples)
-    masks = [torch.tensor(s.loss_mask[1:], dtype=torch.float32) for s in samples]
+    masks = [torch.tensor(s.mask()[1:], dtype=torch.float32) for s in samples]
     for aggregation in ("token", "sequence"):
         sft_cfg = TrainerConfig(model_dir="m", objective="sft", logprob_chunk_tokens=3,
                                 policy_loss=PolicyLossConfig(aggregation=aggregation))
         attach_logprobs(model, sft_cfg)
-        denominator = step_denominator(sft_cfg, [num_trained_tokens(s) for s in samples])
+        denominator = step_denominator(aggregation, metas)
         assert denominator == (5 if aggregation == "token" else 2)
         out = micro_batch_loss(model, batch, sft_cfg, denominator, torch.device("cpu"))
         if aggregation == "token":
@@ -128,12 +161,12 @@ def test_micro_batch_loss_matches_unpacked_sft_and_rl_losses() -> None:
     attach_logprobs(model, rl_cfg)
     out = micro_batch_loss(model, batch, rl_cfg, 5, torch.device("cpu"))
     expected = 0.0
-    for s, lp, m in zip(samples, ref, masks):
-        weight = torch.clamp(torch.exp(lp - torch.tensor(s.rollout_logprobs[1:])), max=1.5)
-        expected = expected - (s.advantage * weight * m).sum() / 5
+    for s, advantage, lp, m in zip(samples, advantages, ref, masks):
+        weight = torch.clamp(torch.exp(lp - torch.from_numpy(s.logprob_array()[1:].copy())), max=1.5)
+        expected = expected - (advantage * weight * m).sum() / 5
     torch.testing.assert_close(out.loss.detach(), expected)
     sums = dict(zip(LOSS_SUM_NAMES, out.sums_K.tolist()))
-    gaps = torch.cat([(lp - torch.tensor(s.rollout_logprobs[1:]))[m > 0] for s, lp, m in zip(samples, ref, masks)])
+    gaps = torch.cat([(lp - torch.from_numpy(s.logprob_array()[1:].copy()))[m > 0] for s, lp, m in zip(samples, ref, masks)])
     assert sums["logprob_abs_diff"] == pytest.approx(float(gaps.abs().sum()), rel=1e-5)
     assert sums["tis_truncated"] == float((gaps.exp() > 1.5).sum())
     assert sums["entropy"] > 0 and sums["loss"] == pytest.approx(float(expected), rel=1e-5)
@@ -142,13 +175,13 @@ def test_micro_batch_loss_matches_unpacked_sft_and_rl_losses() -> None:
 
 
 def test_ref_logprobs_are_packed_like_the_rollouts() -> None:
-    with_ref = TrainSample(tokens=[1, 2, 3], loss_mask=[0, 1, 1], rollout_logprobs=[0.0] * 3, ref_logprobs=[0, -1, -2])
-    assert pack([with_ref, with_ref]).ref_logprobs_T.tolist() == [-1, -2, 0, -1, -2, 0]
-    assert pack([sample([1, 2], [0, 1])]).ref_logprobs_T is None
+    with_ref = TokenData.build(tokens=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0] * 3, ref_logprobs=[0, -1, -2])
+    assert pack([with_ref, with_ref], [0.0, 0.0]).ref_logprobs_T.tolist() == [-1, -2, 0, -1, -2, 0]
+    assert pack([sample([1, 2], [0, 1])], [0.0]).ref_logprobs_T is None
     with pytest.raises(ValueError, match="ref_logprobs"):
-        pack([with_ref, sample([1, 2], [0, 1])])
+        pack([with_ref, sample([1, 2], [0, 1])], [0.0, 0.0])
     with pytest.raises(ValueError, match="ref_logprobs has 2 entries"):
-        TrainSample(tokens=[1, 2, 3], loss_mask=[0, 1, 1], rollout_logprobs=[0.0] * 3, ref_logprobs=[0, 1]).check()
+        TokenData.build(tokens=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0] * 3, ref_logprobs=[0, 1])
 
 
 def test_config_refuses_bad_values() -> None:
@@ -182,16 +215,17 @@ def test_packed_routed_experts_are_replayed() -> None:
             experts_TLk = experts_L1Tk[:, 0].transpose(0, 1)
             if i == 1:
                 experts_TLk = experts_TLk[:-1]  # the engine never forwards a sample's last token
-            samples.append(TrainSample(tokens=list(tokens), loss_mask=[0] + [1] * (len(tokens) - 1),
-                                       rollout_logprobs=[0.0] * len(tokens), routed_experts=experts_bytes(experts_TLk)))
+            samples.append(TokenData.build(tokens=list(tokens), loss_mask=[0] + [1] * (len(tokens) - 1),
+                                           logprobs=[0.0] * len(tokens), routed_experts=experts_TLk.numpy()))
             alone.append(logits_1TV[0])
-        packed = pack(samples, moe_shape=(2, 2))
+        assert samples[0].experts_dtype == "uint8"  # 8 experts: one byte each
+        packed = pack(samples, [0.0, 0.0], moe_shape=(2, 2))
         assert packed.routed_experts_L1Tk is not None and packed.routed_experts_L1Tk.shape == (2, 1, 7, 2)
         logits = model(packed.input_ids_1T, packed.positions_1T, routed_experts=packed.routed_experts_L1Tk)[0]
     trained = packed.loss_mask_T.bool()  # the padded last token trains nothing; the rest match
     torch.testing.assert_close(logits[trained], torch.cat(alone)[trained], rtol=1e-5, atol=1e-5)
-    assert pack(samples).routed_experts_L1Tk is None  # a dense model ignores them
+    assert pack(samples, [0.0, 0.0]).routed_experts_L1Tk is None  # a dense model ignores them
     with pytest.raises(ValueError, match="all or none"):
-        pack([samples[0], sample([1, 2], [0, 1])], moe_shape=(2, 2))
-    with pytest.raises(ValueError, match="routed_experts holds"):
-        pack([samples[0]], moe_shape=(3, 2))
+        pack([samples[0], sample([1, 2], [0, 1])], [0.0, 0.0], moe_shape=(2, 2))
+    with pytest.raises(ValueError, match="the model has 3 MoE layers"):
+        pack([samples[0]], [0.0], moe_shape=(3, 2))

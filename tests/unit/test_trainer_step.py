@@ -16,11 +16,13 @@ from torch.profiler import ProfilerActivity, profile
 from miles_async.actors.trainer import TrainerRank
 from miles_async.models import init_model, load_pretrained
 from miles_async.rl import AdvantageConfig, PolicyLossConfig
+from miles_async.runtime import BlobRef
 from miles_async.trainer import checkpoint
 from miles_async.trainer.config import TrainerConfig
 from miles_async.trainer.fsdp import RankEnv, single_process_group
-from miles_async.trainer.packing import TrainSample, experts_bytes, with_group_advantages
-from miles_async.trainer.step import Trainer
+from miles_async.trainer.packing import group_advantages, plan_step
+from miles_async.trainer.step import StepMetrics, Trainer
+from miles_async.trajectory import TokenData, Trajectory
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +32,39 @@ def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainer]:
         yield Trainer(TrainerConfig(model_dir=str(folder), lr=1e-3, micro_batch_tokens=16), device)
 
 
-def batch() -> list[TrainSample]:
+def sample(tokens: list[int], mask: list[int], logprobs: list[float], *, reward: float = 0.0, prompt_id: int = -1,
+           attempt: int = 0, ref_logprobs: list[float] | None = None,
+           routed_experts: torch.Tensor | None = None) -> Trajectory:
+    """A trajectory with its arrays inline, its metadata (what the planner reads) from the mask."""
+    data = TokenData.build(tokens=tokens, loss_mask=mask, logprobs=logprobs, ref_logprobs=ref_logprobs,
+                           routed_experts=None if routed_experts is None else routed_experts.numpy())
+    num_generated = sum(1 for m in mask if m)
+    return Trajectory(prompt_id=prompt_id, attempt=attempt, reward=reward, num_tokens=len(tokens),
+                      num_prompt_tokens=mask.index(1) if num_generated else len(tokens),
+                      num_generated_tokens=num_generated, data=data)
+
+
+def arrays(s: Trajectory) -> TokenData:
+    assert isinstance(s.data, TokenData)
+    return s.data
+
+
+def step(trainer: Trainer, samples: list[Trajectory], advantage: float | None = 1.0, *,
+         data_cursor: int | None = None) -> StepMetrics:
+    """Plan the step for this one rank and run it: every sample at `advantage`, or (None) the
+    group-relative advantages of the trainer's `config.advantage`, as `TrainerGroup.train` gives for RL."""
+    config = trainer.config
+    plan = plan_step(samples, 1, config.micro_batch_tokens, config.policy_loss.aggregation,
+                     config.advantage if advantage is None else None)
+    advantages = plan.advantages if advantage is None else [advantage] * len(samples)
+    return trainer.train_step(samples, advantages, num_micro_batches=plan.num_micro_batches,
+                              denominator=plan.denominator, data_cursor=data_cursor)
+
+
+def batch() -> list[Trajectory]:
     gen = torch.Generator().manual_seed(0)
-    return [TrainSample(tokens=torch.randint(1, 250, (n,), generator=gen).tolist(), loss_mask=[0, 0] + [1] * (n - 2),
-                        rollout_logprobs=[-5.0] * n, advantage=1.0, reward=float(n)) for n in (10, 7, 12)]
+    return [sample(torch.randint(1, 250, (n,), generator=gen).tolist(), [0, 0] + [1] * (n - 2), [-5.0] * n,
+                   reward=float(n)) for n in (10, 7, 12)]
 
 
 def test_rank_env_needs_all_torchrun_variables(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,7 +80,7 @@ def test_actor_declares_its_handlers() -> None:
 
 
 def test_steps_lower_the_loss_and_report_metrics(trainer: Trainer) -> None:
-    metrics = [trainer.train_step(batch(), data_cursor=i) for i in range(3)]
+    metrics = [step(trainer, batch(), data_cursor=i) for i in range(3)]
     assert metrics[0].loss > metrics[1].loss > metrics[2].loss
     first = metrics[0]
     assert (first.num_samples, first.num_tokens, first.num_trained_tokens) == (3, 29, 23)
@@ -62,8 +93,25 @@ def test_steps_lower_the_loss_and_report_metrics(trainer: Trainer) -> None:
     assert first.clip_fraction == first.dual_clip_fraction == 0.0 and first.kl == 0.0
     assert first.loss == first.pg_loss < 0
     assert trainer.weight_version == metrics[-1].weight_version and trainer.data_cursor == 2
+
+
+def test_a_share_that_does_not_fit_its_plan_is_refused(trainer: Trainer) -> None:
+    config = trainer.config
     with pytest.raises(ValueError, match="at least one sample"):
-        trainer.train_step([])
+        plan_step([], 1, config.micro_batch_tokens, config.policy_loss.aggregation, None)
+    samples = batch()
+    plan = plan_step(samples, 1, config.micro_batch_tokens, config.policy_loss.aggregation, None)
+    version = trainer.weight_version
+    with pytest.raises(ValueError, match="2 advantages for 3 samples"):
+        trainer.train_step(samples, [1.0, 1.0], num_micro_batches=plan.num_micro_batches, denominator=plan.denominator)
+    with pytest.raises(ValueError, match="plan says 2"):  # planned with another micro-batch budget
+        trainer.train_step(samples, [1.0] * 3, num_micro_batches=2, denominator=plan.denominator)
+    # A rank reads its share from the data plane before the step: a reference is refused, naming the sample.
+    ref = BlobRef(owner="tcp://127.0.0.1:1", segment="miles-dp-0-0-0", token=1, offset=0, size=8)
+    remote = [samples[0], msgspec.structs.replace(samples[1], prompt_id=5, data=ref)]
+    with pytest.raises(TypeError, match=r"sample 1 \(prompt 5\) has no token data inline \(BlobRef\)"):
+        trainer.train_step(remote, [1.0, 1.0], num_micro_batches=3, denominator=plan.denominator)
+    assert trainer.weight_version == version
 
 
 def test_exported_buckets_load_into_a_model(trainer: Trainer, tmp_path: Path) -> None:
@@ -81,26 +129,26 @@ def test_exported_buckets_load_into_a_model(trainer: Trainer, tmp_path: Path) ->
 
 
 def test_checkpoint_round_trip_and_a_failed_save_keeps_the_previous(trainer: Trainer, tmp_path: Path) -> None:
-    trainer.train_step(batch(), data_cursor=7)
+    step(trainer, batch(), data_cursor=7)
     saved = trainer.save_checkpoint(tmp_path)
     assert checkpoint.latest(tmp_path) == saved
     assert json.loads((saved / "meta.json").read_text())["data_cursor"] == 7
     before = trainer.full_state()
-    step = trainer.step
+    saved_step = trainer.step
 
     def crash(tmp_folder: Path) -> None:
         raise OSError("disk gone")
 
-    trainer.train_step(batch(), data_cursor=8)
+    step(trainer, batch(), data_cursor=8)
     with pytest.raises(OSError, match="disk gone"):
         trainer.save_checkpoint(tmp_path, after_write=crash)
     assert checkpoint.latest(tmp_path) == saved  # the partial one is not picked up
     meta = trainer.load_checkpoint(saved)
-    assert (meta["step"], trainer.step, trainer.data_cursor) == (step, step, 7)
+    assert (meta["step"], trainer.step, trainer.data_cursor) == (saved_step, saved_step, 7)
     after = trainer.full_state()
     assert all(torch.equal(before[name], after[name]) for name in before)
     with pytest.raises(ValueError, match="not a finished checkpoint"):
-        trainer.load_checkpoint(tmp_path / f".tmp-{checkpoint.step_folder(tmp_path, step + 1).name}")
+        trainer.load_checkpoint(tmp_path / f".tmp-{checkpoint.step_folder(tmp_path, saved_step + 1).name}")
 
 
 def test_moe_step_replays_the_recorded_experts(trainer: Trainer, tmp_path: Path) -> None:
@@ -110,22 +158,23 @@ def test_moe_step_replays_the_recorded_experts(trainer: Trainer, tmp_path: Path)
     reference = load_pretrained(folder)
     samples = []
     with torch.no_grad():
-        for sample in batch():
-            logits_1TV, experts_L1Tk = reference(torch.tensor([sample.tokens]), return_routed_experts=True)
-            logp_T = torch.log_softmax(logits_1TV[0, :-1], -1).gather(-1, torch.tensor(sample.tokens[1:])[:, None])
-            samples.append(TrainSample(
-                tokens=sample.tokens, loss_mask=sample.loss_mask, rollout_logprobs=[0.0, *logp_T[:, 0].tolist()],
-                advantage=1.0, routed_experts=experts_bytes(experts_L1Tk[:, 0].transpose(0, 1))))
-    first = moe.train_step(samples)
+        for s in batch():
+            tokens_T = torch.from_numpy(arrays(s).token_ids().astype("int64"))
+            logits_1TV, experts_L1Tk = reference(tokens_T[None], return_routed_experts=True)
+            logp_T = torch.log_softmax(logits_1TV[0, :-1], -1).gather(-1, tokens_T[1:, None])
+            samples.append(sample(tokens_T.tolist(), arrays(s).mask().tolist(), [0.0, *logp_T[:, 0].tolist()],
+                                  routed_experts=experts_L1Tk[:, 0].transpose(0, 1)))
+    assert arrays(samples[0]).experts_dtype == "uint8"  # 8 experts: one byte per expert id
+    first = step(moe, samples)
     # before any update, with the recorded experts, the trainer scores the rollout's tokens as it did
     assert first.logprob_abs_diff < 1e-5
-    assert moe.train_step(samples).loss < first.loss
+    assert step(moe, samples).loss < first.loss
 
 
 def test_a_non_finite_gradient_skips_the_update(trainer: Trainer) -> None:
     before, version = trainer.full_state(), trainer.weight_version
-    bad = [TrainSample(tokens=[1, 2, 3], loss_mask=[0, 1, 1], rollout_logprobs=[0.0] * 3, advantage=float("inf"))]
-    metrics = trainer.train_step(bad)
+    bad = [sample([1, 2, 3], [0, 1, 1], [0.0] * 3)]
+    metrics = step(trainer, bad, advantage=float("inf"))
     assert metrics.skipped and trainer.weight_version == version == metrics.weight_version
     after = trainer.full_state()
     assert all(torch.equal(before[name], after[name]) for name in before)
@@ -141,52 +190,52 @@ def test_loss_modes_sft_rollout_anchor_kl_and_tis_metrics(trainer: Trainer) -> N
     # SFT: mean cross-entropy of the trained tokens, which training lowers; the rollouts are not read.
     sft = fresh(objective="sft")
     model = load_pretrained(folder)
+    tokens = [torch.from_numpy(arrays(s).token_ids().astype("int64")) for s in samples]
+    masks = [torch.from_numpy(arrays(s).mask().copy()) for s in samples]
     with torch.no_grad():
-        nll = torch.cat([-torch.log_softmax(model(torch.tensor([s.tokens]))[0, :-1], -1)
-                         .gather(-1, torch.tensor(s.tokens[1:])[:, None])[:, 0][torch.tensor(s.loss_mask[1:]) > 0]
-                         for s in samples])
-    first = sft.train_step(samples)
+        nll = torch.cat([-torch.log_softmax(model(t[None])[0, :-1], -1).gather(-1, t[1:, None])[:, 0][m[1:] > 0]
+                         for t, m in zip(tokens, masks)])
+    first = step(sft, samples, advantage=0.0)  # SFT: no advantages (TrainerGroup.train plans none)
     assert first.loss == pytest.approx(float(nll.mean()), rel=1e-5)
-    assert sft.train_step(samples).loss < first.loss
+    assert step(sft, samples, advantage=0.0).loss < first.loss
 
     # The rollout's log-probs as the PPO anchor: a rollout 1.0 nat below the trainer's makes
     # every ratio e > 1 + eps, so positive advantages are clipped everywhere.
     with torch.no_grad():
         scored = []
-        for s in samples:
-            logp_T = torch.log_softmax(model(torch.tensor([s.tokens]))[0, :-1], -1).gather(
-                -1, torch.tensor(s.tokens[1:])[:, None])[:, 0]
-            scored.append(msgspec.structs.replace(s, rollout_logprobs=[0.0, *(logp_T - 1.0).tolist()],
-                                                  ref_logprobs=[0.0, *(logp_T - 0.5).tolist()]))
-    anchored = fresh(old_logprobs="rollout").train_step(scored)
+        for t, m in zip(tokens, masks):
+            logp_T = torch.log_softmax(model(t[None])[0, :-1], -1).gather(-1, t[1:, None])[:, 0]
+            scored.append(sample(t.tolist(), m.tolist(), [0.0, *(logp_T - 1.0).tolist()],
+                                 ref_logprobs=[0.0, *(logp_T - 0.5).tolist()]))
+    anchored = step(fresh(old_logprobs="rollout"), scored)
     assert anchored.clip_fraction == 1.0 and anchored.tis_truncated_fraction == 0.0
     assert anchored.logprob_abs_diff == pytest.approx(1.0, rel=1e-4)
     assert anchored.rollout_kl_k3 == pytest.approx(math.e - 2.0, rel=1e-3)  # r - 1 - log r at log r = 1
 
     # The default anchor with a TIS cap below e: every weight truncated; KL to the reference.
-    tis = fresh(policy_loss=PolicyLossConfig(tis_cap=2.0, kl_coef=0.1)).train_step(scored)
+    tis = step(fresh(policy_loss=PolicyLossConfig(tis_cap=2.0, kl_coef=0.1)), scored)
     assert tis.tis_truncated_fraction == 1.0 and tis.clip_fraction == 0.0
     assert tis.kl == pytest.approx(math.exp(-0.5) - 0.5, rel=1e-3)  # k3 = r - 1 - log r at log r = -0.5
     assert tis.pg_loss == pytest.approx(-2.0, rel=1e-5)  # advantage 1 x capped weight 2
     assert tis.loss == pytest.approx(tis.pg_loss + 0.1 * tis.kl, rel=1e-6)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        fresh(policy_loss=PolicyLossConfig(kl_coef=0.1)).train_step(samples)
+        step(fresh(policy_loss=PolicyLossConfig(kl_coef=0.1)), samples)
     # The entropy bonus (token aggregation: its part is the reported mean entropy).
-    bonus = fresh(policy_loss=PolicyLossConfig(entropy_coef=0.01)).train_step(samples)
+    bonus = step(fresh(policy_loss=PolicyLossConfig(entropy_coef=0.01)), samples)
     assert bonus.loss == pytest.approx(bonus.pg_loss - 0.01 * bonus.entropy, rel=1e-6) and bonus.grad_norm > 0
 
 
 def test_the_step_holds_log_prob_chunks_not_full_logits(trainer: Trainer) -> None:
     gen = torch.Generator().manual_seed(3)
-    samples = [TrainSample(tokens=torch.randint(1, 500, (256,), generator=gen).tolist(), loss_mask=[0] + [1] * 255,
-                           rollout_logprobs=[-6.0] * 256, advantage=1.0) for _ in range(2)]
+    samples = [sample(torch.randint(1, 500, (256,), generator=gen).tolist(), [0] + [1] * 255, [-6.0] * 256)
+               for _ in range(2)]
     num_tokens, vocab = 512, 512
 
     def peak_bytes(chunk_tokens: int) -> int:
-        step = Trainer(TrainerConfig(model_dir=trainer.config.model_dir, micro_batch_tokens=num_tokens,
-                                     logprob_chunk_tokens=chunk_tokens), trainer.device)
+        chunked = Trainer(TrainerConfig(model_dir=trainer.config.model_dir, micro_batch_tokens=num_tokens,
+                                        logprob_chunk_tokens=chunk_tokens), trainer.device)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step.train_step(samples)
+            step(chunked, samples)
         # the allocator's running total at each allocation event (private API, as in test_kernels_logprobs)
         totals, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
         while stack:
@@ -207,20 +256,23 @@ def test_the_step_holds_log_prob_chunks_not_full_logits(trainer: Trainer) -> Non
 def test_group_relative_advantages_come_from_the_rewards(trainer: Trainer) -> None:
     gen = torch.Generator().manual_seed(3)
 
-    def sample(group: int, reward: float) -> TrainSample:
-        tokens = torch.randint(1, 250, (8,), generator=gen).tolist()
-        return TrainSample(tokens=tokens, loss_mask=[0, 0] + [1] * 6, rollout_logprobs=[-5.0] * 8,
-                           reward=reward, group=group)
+    def member(prompt_id: int, reward: float, attempt: int = 0) -> Trajectory:
+        return sample(torch.randint(1, 250, (8,), generator=gen).tolist(), [0, 0] + [1] * 6, [-5.0] * 8,
+                      reward=reward, prompt_id=prompt_id, attempt=attempt)
 
-    samples = [sample(0, 1.0), sample(1, 0.5), sample(0, 0.0), sample(1, 0.5)]
+    samples = [member(0, 1.0), member(1, 0.5), member(0, 0.0), member(1, 0.5)]
     grpo = AdvantageConfig(estimator="grpo", normalize_std=False)
-    assert [s.advantage for s in with_group_advantages(samples, grpo)] == [0.5, 0.0, -0.5, 0.0]
+    assert group_advantages(samples, grpo) == [0.5, 0.0, -0.5, 0.0]
+    assert plan_step(samples, 2, 16, "token", grpo).advantages == [0.5, 0.0, -0.5, 0.0]  # whatever the ranks
+    assert plan_step(samples, 1, 16, "token", None).advantages == [0.0] * 4  # SFT: none
     with pytest.raises(ValueError, match="same number of samples"):
-        with_group_advantages(samples[:3], grpo)
-    with pytest.raises(ValueError, match="has no group"):
-        with_group_advantages([*samples, sample(-1, 1.0)], grpo)
+        group_advantages(samples[:3], grpo)
+    # A group is one attempt at a prompt: a prompt generated again is a group of its own. (The old
+    # "has no group" refusal is gone: every trajectory has a prompt id and an attempt.)
+    retried = [member(0, 1.0), member(0, 0.0), member(0, 0.5, attempt=1), member(0, 0.5, attempt=1)]
+    assert group_advantages(retried, grpo) == [0.5, -0.5, 0.0, 0.0]
     # In a step: a group whose rewards are all equal teaches nothing, so only its loss is zero.
     config = TrainerConfig(model_dir=trainer.config.model_dir, lr=1e-3, micro_batch_tokens=16, advantage=grpo)
-    flat = Trainer(config, trainer.device).train_step([samples[1], samples[3]])
+    flat = step(Trainer(config, trainer.device), [samples[1], samples[3]], advantage=None)
     assert flat.pg_loss == 0.0 and flat.grad_norm == 0.0
-    assert Trainer(config, trainer.device).train_step(samples).grad_norm > 0.0
+    assert step(Trainer(config, trainer.device), samples, advantage=None).grad_norm > 0.0

@@ -19,8 +19,9 @@ from miles_async.kernels import batch_invariant
 from miles_async.models import init_model, load_pretrained
 from miles_async.trainer.config import TrainerConfig
 from miles_async.trainer.fsdp import single_process_group
-from miles_async.trainer.packing import TrainSample
+from miles_async.trainer.packing import plan_step
 from miles_async.trainer.step import Trainer
+from miles_async.trajectory import TokenData, Trajectory
 
 TIMEOUT_S = 60
 NUM_NEW_TOKENS = 12
@@ -31,6 +32,14 @@ def model_dir(tmp_path_factory):
     """The tiny dense model with its matrices drawn at std 0.3, so that its distributions are far
     from uniform and sampled tokens vary."""
     return init_model("qwen3", "tiny", tmp_path_factory.mktemp("model") / "tiny", seed=0, init_std=0.3)
+
+
+def sample(tokens: list[int], mask: list[int], logprobs: list[float]) -> Trajectory:
+    """A trajectory with its arrays inline, its metadata from the mask."""
+    num_generated = sum(mask)
+    return Trajectory(num_tokens=len(tokens), num_prompt_tokens=mask.index(1) if num_generated else len(tokens),
+                      num_generated_tokens=num_generated,
+                      data=TokenData.build(tokens=tokens, loss_mask=mask, logprobs=logprobs))
 
 
 def prompts(vocab_size: int) -> list[list[int]]:
@@ -103,13 +112,15 @@ def test_default_mode_mismatch_is_small_but_not_zero(model_dir):
 def test_the_trainer_step_reads_a_mismatch_of_exactly_zero(model_dir):
     """The real Trainer (FSDP2 on one gloo rank, packed micro-batches) in true on-policy mode."""
     all_prompts, results = rollouts(model_dir, True)
-    samples = [TrainSample(tokens=prompt + ids, loss_mask=[0] * len(prompt) + [1] * len(ids),
-                           rollout_logprobs=[0.0] * len(prompt) + list(logps), advantage=1.0)
+    samples = [sample(prompt + ids, [0] * len(prompt) + [1] * len(ids), [0.0] * len(prompt) + list(logps))
                for prompt, (ids, logps) in zip(all_prompts, results)]
     metrics = {}
     with single_process_group("gloo", timeout_s=30) as device:
         for mode in (True, False):
             config = TrainerConfig(model_dir=str(model_dir), micro_batch_tokens=256, batch_invariant=mode)
-            metrics[mode] = Trainer(config, device).train_step(samples)
+            plan = plan_step(samples, 1, config.micro_batch_tokens, config.policy_loss.aggregation, None)
+            assert plan.num_micro_batches > 1  # packed rows of several samples, cut by the token budget
+            metrics[mode] = Trainer(config, device).train_step(
+                samples, [1.0] * len(samples), num_micro_batches=plan.num_micro_batches, denominator=plan.denominator)
     assert metrics[True].logprob_abs_diff == 0.0 and metrics[True].rollout_kl_k3 == 0.0
     assert 0.0 < metrics[False].logprob_abs_diff < 1e-3

@@ -16,7 +16,6 @@ from miles_async.actors.weights import WeightPusher, WeightSyncConfig
     ({"pause_mode": "nap"}, "pause_mode='nap'"),
     ({"family": "gpt2"}, "family='gpt2' is not one of llama"),
     ({"bucket_mib": 0}, "bucket_mib must be > 0"),
-    ({"transport": "disk_delta"}, "delta_dir is required"),
 ])
 def test_bad_configs_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -25,7 +24,7 @@ def test_bad_configs_name_the_field(fields, message):
 
 def test_defaults_are_a_working_recipe():
     cfg = WeightSyncConfig(family="qwen3")
-    assert (cfg.transport, cfg.pause_mode, cfg.verify, cfg.bucket_bytes) == ("broadcast", "in_place", "first", 256 << 20)
+    assert (cfg.transport, cfg.pause_mode, cfg.verify, cfg.bucket_bytes) == ("shm", "in_place", "first", 64 << 20)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pyverbs") is not None, reason="pyverbs is installed here")
@@ -33,3 +32,12 @@ def test_rdma_without_pyverbs_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "pyverbs", None)
     with pytest.raises(ImportError, match=r"miles-async\[rdma\]"):
         WeightPusher(["engine"], WeightSyncConfig(family="qwen3", transport="rdma"))
+
+
+def test_a_pusher_needs_what_a_run_sets():
+    # a recipe leaves the family (the model's config.json) and the delta folder (the run folder) to the run
+    assert WeightSyncConfig().family == "" and WeightSyncConfig(transport="disk_delta").delta_dir == ""
+    with pytest.raises(ValueError, match="WeightSyncConfig.family is empty"):
+        WeightPusher(["engine-0"], WeightSyncConfig())
+    with pytest.raises(ValueError, match="delta_dir is required"):
+        WeightPusher(["engine-0"], WeightSyncConfig(family="qwen3", transport="disk_delta"))

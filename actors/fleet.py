@@ -1,0 +1,438 @@
+"""The run's processes: where each goes (`[placement]`), starting them, and nodes that join later.
+
+    Fleet.start ──► engines (a process each, on their nodes), trainer ranks (TrainerGroup), pushers
+    Fleet.start_sessions ──► SessionHost (agent runs)
+    Fleet.start_rollout ──► rollout workers (here), RefillScheduler and Buffer (here, or a process on
+                            their node), engines announced to the scheduler
+    Fleet.admit ──► a node that joined: its engines, the current weights, then the scheduler
+
+A one-node run (`miles-async run`) is node 0 on 127.0.0.1 with a `LocalSpawner`; a multi-node
+run (`miles-async launch`) hands the controller one `Node` per launcher, each with a spawner that
+starts processes there (`miles_async.launch.agent.RemoteSpawner`). The controller, the rollout
+workers and the weight pushers stay on node 0: they are the run's head.
+
+Try it: `tests/unit/test_placement.py`, `tests/e2e/test_launch.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+
+from miles_async.actors.buffer import Buffer
+from miles_async.actors.engine import EngineActor, EngineStatus
+from miles_async.actors.rollout import RolloutWorker
+from miles_async.actors.scheduler import AddEngine, RefillScheduler, SampleSeen
+from miles_async.actors.sessions import AddSessionEngine, SessionHost, SessionsUrl
+from miles_async.actors.trainer import RankPlacement, TrainerGroup
+from miles_async.actors.weights import JoinEngine, WeightPusher, WeightSyncConfig
+from miles_async.models.config import ModelConfig
+from miles_async.runtime import Actor, ActorRef, ActorSystem, RestartPolicy, handler
+from miles_async.trainer.config import TrainerConfig
+from miles_async.trainer.fsdp import free_port
+
+if TYPE_CHECKING:  # recipe imports this module (PlacementConfig)
+    from miles_async.actors.recipe import RunConfig
+
+log = logging.getLogger("miles_async.actors.fleet")
+ASK_S = 600.0
+SHARED_FILE = ".run-token"  # in the run folder: what trainer ranks on other nodes must see
+
+
+class RunSetupError(RuntimeError):
+    """The run cannot start as configured and placed (found when its nodes are there, before any
+    process starts); the message names the nodes and the fix."""
+
+
+class PlacementConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Which node runs what, in a multi-node run (`miles-async launch`; `run` is one node: all 0).
+
+    engines: the node rank of each engine, in order (cycled when shorter than rollout.num_engines;
+        [] puts every engine on the controller's node, 0).
+    trainer: the node of every trainer rank (one number), or of each rank in order (a list of
+        trainer.world_size numbers: ranks spanning nodes). Trainer ranks off node 0 write
+        checkpoints and weight exports that node 0 reads: the run folder must be on a filesystem
+        those nodes share (checked when the ranks start).
+    scheduler, buffer, sessions: the node of the refill scheduler, of the buffer and of the TITO
+        session server (agent runs); each a process of its own off node 0, in the controller's
+        process on node 0.
+    The controller, rollout workers and weight pusher run on node 0.
+    """
+
+    engines: list[int] = []
+    trainer: int | list[int] = 0
+    scheduler: int = 0
+    buffer: int = 0
+    sessions: int = 0
+
+    def __post_init__(self) -> None:
+        trainer = self.trainer if isinstance(self.trainer, list) else [self.trainer]
+        if any(n < 0 for n in (*self.engines, *trainer, self.scheduler, self.buffer, self.sessions)) or not trainer:
+            raise ValueError(f"placement node ranks must be >= 0, got engines={self.engines} trainer={self.trainer} "
+                             f"scheduler={self.scheduler} buffer={self.buffer} sessions={self.sessions}")
+
+    def engine_node(self, index: int) -> int:
+        return self.engines[index % len(self.engines)] if self.engines else 0
+
+    def trainer_nodes(self, world_size: int) -> list[int]:
+        """The node of each trainer rank."""
+        if isinstance(self.trainer, int):
+            return [self.trainer] * world_size
+        if len(self.trainer) != world_size:
+            raise ValueError(f"placement.trainer lists {len(self.trainer)} node(s) but trainer.world_size is "
+                             f"{world_size}: give one node per rank, or one number for all")
+        return list(self.trainer)
+
+    @property
+    def nodes(self) -> set[int]:
+        trainer = self.trainer if isinstance(self.trainer, list) else [self.trainer]
+        return {0, *trainer, *self.engines, self.scheduler, self.buffer, self.sessions}
+
+
+class Spawner(Protocol):
+    """Starts an actor in a new process on one node (`ActorSystem.spawn(..., process=True)` on this
+    one; `miles_async.launch.agent.RemoteSpawner` on another), and finds a free port there."""
+
+    async def spawn(self, cls: type, name: str, *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                    restart: RestartPolicy | None = None, env: dict[str, str] | None = None) -> ActorRef: ...
+
+    async def free_port(self) -> int: ...
+
+    async def ensure_folder(self, folder: str | Path) -> int:
+        """Make the node hold `folder` (the model's) as the controller's node does; the bytes sent."""
+        ...
+
+    async def shares(self, path: str | Path) -> bool:
+        """Whether the node sees the file at `path` as the controller's node does (a shared filesystem)."""
+        ...
+
+
+class LocalSpawner:
+    """`Spawner` for the controller's own node."""
+
+    def __init__(self, system: ActorSystem, host: str = "127.0.0.1") -> None:
+        self.system = system
+        self.host = host
+
+    async def spawn(self, cls: type, name: str, *, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                    restart: RestartPolicy | None = None, env: dict[str, str] | None = None) -> ActorRef:
+        return await self.system.spawn(cls, name, args=args, kwargs=kwargs, process=True, restart=restart, env=env)
+
+    async def free_port(self) -> int:
+        return free_port(self.host)
+
+    async def ensure_folder(self, folder: str | Path) -> int:
+        return 0  # this node's own files
+
+    async def shares(self, path: str | Path) -> bool:
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One node of the run: its rank, the address its processes bind and are reached at, and how to
+    start a process there. A one-node run (`miles-async run`) is node 0 on 127.0.0.1."""
+
+    rank: int
+    host: str
+    spawner: Spawner
+    num_gpus: int = 0  # 0: CPU only (or GPUs left to the processes: a one-node run)
+
+
+@dataclass(frozen=True, slots=True)
+class RunFolder:
+    """Where a run keeps its files, and the model it trains."""
+
+    run_dir: Path
+    model_dir: Path
+    shared_token: str  # written to SHARED_FILE: trainer ranks on other nodes check they see it
+
+    @property
+    def family(self) -> str:
+        return str(json.loads((self.model_dir / "config.json").read_text())["model_type"])
+
+    @property
+    def moe_shape(self) -> tuple[int, int] | None:
+        return ModelConfig.from_hf(self.model_dir).moe_shape
+
+
+class SampleRecorder(Actor):
+    """In the controller's process: hands each `SampleSeen` of a scheduler on another node to the
+    controller's trace (`on_sample`, as an in-process scheduler calls it)."""
+
+    def __init__(self, on_sample: Any) -> None:
+        self.on_sample = on_sample
+
+    @handler
+    def seen(self, msg: SampleSeen) -> None:
+        self.on_sample(msg.sample, msg.counted)
+
+
+@dataclass(slots=True)
+class Fleet:
+    """The run's processes and how to reach them (module docstring). `config` is the run's
+    `actors.recipe.RunConfig`; `api_key` is what the engines' HTTP APIs want (multi-node runs)."""
+
+    config: RunConfig
+    folder: RunFolder
+    system: ActorSystem
+    nodes: dict[int, Node]
+    api_key: str | None = None
+    engines: list[ActorRef] = field(default_factory=list)
+    engine_urls: dict[str, str] = field(default_factory=dict)
+    eval_engine: ActorRef | None = None
+    trainer: TrainerGroup | None = None
+    pusher: ActorRef | None = None
+    eval_pusher: ActorRef | None = None
+    scheduler: ActorRef | None = None
+    buffer: ActorRef | None = None
+    sessions: ActorRef | None = None
+    sessions_url: str = ""
+    num_engines_started: int = 0
+    gpus_given: dict[int, int] = field(default_factory=dict)  # per node: engines given a GPU so far
+
+    # ----- configs the run derives -----
+
+    def trainer_config(self) -> TrainerConfig:
+        """The recipe's `[trainer]` with what the run sets: the model, the run folder's paths, the
+        seed and the sampling temperature (the trainer scores the distribution the engine sampled)."""
+        cfg, run_dir = self.config, self.folder.run_dir
+        temperature = cfg.rollout.sampling.temperature
+        return msgspec.structs.replace(
+            cfg.trainer, model_dir=str(self.folder.model_dir), seed=cfg.loop.seed,
+            checkpoint_dir=str(run_dir / "checkpoints"), weights_dir=str(run_dir / "weights"),
+            shared_file=str(run_dir / SHARED_FILE), shared_token=self.folder.shared_token,
+            temperature=temperature if temperature > 0 else 1.0)
+
+    def engine_config(self) -> Any:
+        """The recipe's `[rollout.engine]`, its weights in shared memory for the shm transport."""
+        return msgspec.structs.replace(self.config.rollout.engine, shared_weights=self.config.weights.transport == "shm")
+
+    def sync_config(self) -> WeightSyncConfig:
+        """The recipe's `[weights]` with what the run sets: the model family, node 0's address, the
+        pause mode of `rollout.partial` and the run folder's delta folder."""
+        cfg = self.config
+        return msgspec.structs.replace(
+            cfg.weights, family=self.folder.family, host=self.nodes[0].host,
+            pause_mode="in_place" if cfg.rollout.partial == "continue" else "abort",
+            delta_dir=str(self.folder.run_dir / "deltas"))
+
+    # ----- starting -----
+
+    async def start(self) -> None:
+        """Engines (and a dedicated eval engine), trainer ranks and weight pushers; the first failure
+        stops the others and is raised."""
+        cfg = self.config
+        names = [f"engine-{i}" for i in range(cfg.rollout.num_engines)]
+        placed = [self.nodes[cfg.placement.engine_node(i)] for i in range(cfg.rollout.num_engines)]
+        if cfg.eval.mode == "dedicated":
+            names.append("eval-engine")
+            placed.append(self.nodes[0])
+        self.num_engines_started = cfg.rollout.num_engines
+        engine_nodes = list({n.rank: n for n in placed}.values())
+        await self._check_network(engine_nodes)
+        await asyncio.gather(*(self._give_model(node) for node in engine_nodes))
+        ranks = self._trainer_placement()
+        master = self.nodes[cfg.placement.trainer_nodes(cfg.trainer.world_size)[0]]
+        trainer_spawn = TrainerGroup.spawn(self.system, self.trainer_config(), cfg.trainer.world_size,
+                                           master_addr=ranks[0].host or master.host,
+                                           master_port=await master.spawner.free_port(), placement=ranks)
+        *engines, self.trainer = await _all_or_none(*(self._spawn_engine(name, node) for name, node in zip(names, placed)),
+                                                    trainer_spawn)
+        if cfg.eval.mode == "dedicated":
+            self.eval_engine = engines.pop()
+        self.engines = engines
+        for ref in engines + ([self.eval_engine] if self.eval_engine else []):
+            self.engine_urls[ref.name] = await _engine_url(ref)
+        sync = self.sync_config()
+        self.pusher = await self.system.spawn(WeightPusher, "pusher", args=([e.name for e in engines], sync))
+        if self.eval_engine is not None:
+            self.eval_pusher = await self.system.spawn(WeightPusher, "eval-pusher", args=(["eval-engine"], sync))
+
+    async def _spawn_engine(self, name: str, node: Node) -> ActorRef:
+        return await node.spawner.spawn(EngineActor, name, args=(str(self.folder.model_dir), self.engine_config()),
+                                        kwargs={"http_host": node.host, "http_port": 0,
+                                                "num_threads": self.config.rollout.engine_threads,
+                                                "api_key": self.api_key}, env=self._gpu_env(node))
+
+    def _trainer_placement(self) -> list[RankPlacement]:
+        """Each trainer rank's node (spawner, LOCAL_RANK there, address): `placement.trainer`. Ranks
+        all on one node keep their process group on loopback (torch.distributed's sockets have no
+        authentication: off loopback only when the ranks span nodes)."""
+        placed = self.config.placement.trainer_nodes(self.config.trainer.world_size)
+        one_node = len(set(placed)) == 1
+        ranks: list[RankPlacement] = []
+        per_node: dict[int, int] = {}
+        for node_rank in placed:
+            node = self.nodes[node_rank]
+            host = "" if len(self.nodes) == 1 else "127.0.0.1" if one_node else node.host
+            ranks.append(RankPlacement(spawner=node.spawner, local_rank=per_node.get(node_rank, 0), host=host))
+            per_node[node_rank] = per_node.get(node_rank, 0) + 1
+        return ranks
+
+    async def start_sessions(self) -> None:
+        """The session server: in this process on loopback (node 0), or a process on its node serving
+        that node's address, where it wants the run's API key (and the model folder, for the tokenizer)."""
+        node = self.nodes[self.config.placement.sessions]
+        urls = [self.engine_urls[e.name] for e in self.engines]
+        kwargs: dict[str, Any] = {"engine_api_key": self.api_key}
+        if node.rank != 0:
+            await self._give_model(node)
+            kwargs |= {"host": node.host, "api_key": self.api_key}
+        self.sessions = await self._place(node.rank, SessionHost, "sessions", (urls, str(self.folder.model_dir)), kwargs)
+        self.sessions_url = await self.sessions.ask(SessionsUrl(), timeout_s=ASK_S)
+
+    async def start_rollout(self, dataset: list[Any], *, version: int, first_prompt: int,
+                            on_sample: Any) -> None:
+        """Rollout workers, the scheduler over `dataset` (the task's items) and the buffer; then the
+        engines are announced to the scheduler at weight `version`. `on_sample(trajectory, counted)`
+        sees every finished sample (through a `SampleRecorder` when the scheduler is elsewhere)."""
+        cfg = self.config
+        workers = [f"rollout-{i}" for i in range(cfg.rollout.num_workers)]
+        kwargs: dict[str, Any] = {"api_key": self.api_key}
+        if cfg.agent.agent:
+            kwargs |= {"agent": cfg.agent, "sessions": "sessions", "session_url": self.sessions_url}
+        for name in workers:
+            await self.system.spawn(RolloutWorker, name, args=(cfg.task, str(self.folder.model_dir)), kwargs=kwargs)
+        staleness = cfg.loop.staleness
+        refill = msgspec.structs.replace(cfg.scheduler, batch_groups=cfg.loop.batch_groups, max_staleness=staleness)
+        buffer = msgspec.structs.replace(cfg.buffer, max_staleness=staleness)
+        scheduler_kwargs: dict[str, Any] = {
+            "workers": workers, "buffer": "buffer", "seed": cfg.loop.seed if cfg.rollout.seeded else None,
+            "trainer_version": version, "first_prompt": first_prompt, "routed_experts": self.folder.moe_shape is not None}
+        if cfg.placement.scheduler != 0:  # it reports each finished sample to a recorder here, for the trace
+            await self.system.spawn(SampleRecorder, "sample-recorder", args=(on_sample,))
+            scheduler_kwargs["sample_sink"] = "sample-recorder"
+        else:
+            scheduler_kwargs["on_sample"] = on_sample
+        self.scheduler = await self._place(cfg.placement.scheduler, RefillScheduler, "scheduler",
+                                           (refill, dataset, cfg.rollout.sampling), scheduler_kwargs)
+        self.buffer = await self._place(cfg.placement.buffer, Buffer, "buffer", (buffer, "scheduler"), {})
+        for ref in self.engines:
+            await self.scheduler.tell(self._add_engine(ref.name, version))
+
+    def _add_engine(self, name: str, version: int) -> AddEngine:
+        actor = name if self.config.rollout.client == "actor" else ""
+        return AddEngine(name=name, url=self.engine_urls[name], version=version, actor=actor)
+
+    async def _place(self, node_rank: int, cls: type, name: str, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> ActorRef:
+        """A role of `[placement]` (scheduler, buffer, session server): in this process on node 0, a
+        process of its own on another node."""
+        if node_rank == 0:
+            return await self.system.spawn(cls, name, args=args, kwargs=kwargs)
+        return await self.nodes[node_rank].spawner.spawn(cls, name, args=args, kwargs=kwargs)
+
+    # ----- nodes -----
+
+    async def _check_network(self, engine_nodes: list[Node]) -> None:
+        """What crosses nodes, said before anything starts: a `disk_delta` transport needs the run
+        folder shared with the engines' nodes (refused otherwise, naming them), and torch.distributed's
+        own connections (trainer ranks on several nodes, `broadcast` to other nodes) have no
+        authentication (warned: they belong on a trusted network)."""
+        cfg = self.config
+        remote = [n for n in engine_nodes if n.rank != 0]
+        if cfg.weights.transport == "disk_delta" and remote:
+            blind = [n.rank for n in remote if not await n.spawner.shares(self.folder.run_dir / SHARED_FILE)]
+            if blind:
+                raise RunSetupError(f'weights.transport = "disk_delta" writes deltas into the run folder '
+                                    f"({self.folder.run_dir}) for the engines to read, but node(s) {blind} do not see "
+                                    'it: put it on a filesystem they mount at the same path, or use "stream" (no '
+                                    "shared folder needed)")
+        trainer_nodes = set(cfg.placement.trainer_nodes(cfg.trainer.world_size))
+        if len(trainer_nodes) > 1 or (cfg.weights.transport == "broadcast" and remote):
+            what = "trainer ranks on several nodes" if len(trainer_nodes) > 1 else "weights by broadcast to other nodes"
+            log.warning("%s: their torch.distributed connections (gloo/NCCL and their TCPStore) have no "
+                        "authentication, as torchrun's: keep these nodes on a trusted network%s", what,
+                        "" if len(trainer_nodes) > 1 else ' (weights.transport = "stream" is authenticated)')
+
+    async def _give_model(self, node: Node) -> None:
+        """The model folder on `node` before its engines load it (sent if that node lacks it)."""
+        sent = await node.spawner.ensure_folder(self.folder.model_dir)
+        if sent:
+            log.info("node %d did not hold the model folder %s: sent %.1f MiB", node.rank, self.folder.model_dir,
+                     sent / 2**20)
+
+    def _gpu_env(self, node: Node) -> dict[str, str] | None:
+        """CUDA_VISIBLE_DEVICES for the next engine on `node`: its GPUs in turn, after those of the
+        trainer ranks when they share the node (a rank uses GPU LOCAL_RANK). None without GPUs."""
+        if node.num_gpus <= 0:
+            return None
+        cfg = self.config
+        taken = cfg.placement.trainer_nodes(cfg.trainer.world_size).count(node.rank)
+        count = self.gpus_given.get(node.rank, 0)
+        self.gpus_given[node.rank] = count + 1
+        return {"CUDA_VISIBLE_DEVICES": str((taken + count) % node.num_gpus)}
+
+    async def admit(self, node: Node, version: int, push: Any) -> list[ActorRef]:
+        """A node that joined the running job (a new one, or one back after it was lost): its engines
+        start, get weight `version` through a pusher of their own (`await push(pusher)`, skipped at
+        version 0, the model's own weights), join the run's pusher, and are announced to the
+        scheduler and the session server. Call it between steps, with no weight update in flight."""
+        assert self.pusher is not None and self.scheduler is not None
+        count = max(1, sum(1 for n in self.config.placement.engines if n == node.rank))
+        await self._give_model(node)
+        started = []
+        for _ in range(count):
+            name = f"engine-{self.num_engines_started}"
+            self.num_engines_started += 1
+            ref = await self._spawn_engine(name, node)
+            url = self.engine_urls[name] = await _engine_url(ref)
+            if version > 0:
+                pusher = await self.system.spawn(WeightPusher, f"pusher-{name}", args=([name], self.sync_config()))
+                try:
+                    await push(pusher)
+                finally:
+                    await self.system.stop(pusher)
+            await self.pusher.ask(JoinEngine(name=name), timeout_s=ASK_S)
+            self.engines.append(ref)
+            await self.scheduler.tell(self._add_engine(name, version))
+            if self.sessions is not None:  # agents' sessions are routed by the session server
+                await self.sessions.ask(AddSessionEngine(url=url), timeout_s=ASK_S)
+            log.warning("node %d joined: %s serves from weight version %d", node.rank, name, version)
+            started.append(ref)
+        return started
+
+    async def stop_roles(self) -> None:
+        """Stop the scheduler, buffer and session server, then the trainer ranks (the actor system's
+        close stops the rest)."""
+        for ref in (self.scheduler, self.buffer, self.sessions):
+            if ref is not None:
+                try:
+                    await self.system.stop(ref)
+                except Exception as e:  # noqa: BLE001 - already gone (its node lost): nothing to stop
+                    log.debug("stopping %s: %s", ref.name, e)
+        if self.trainer is not None:
+            await self.trainer.stop()
+
+
+async def _engine_url(ref: ActorRef) -> str:
+    state = await ref.ask(EngineStatus(), timeout_s=ASK_S)
+    assert state.url is not None, f"engine {ref.name} serves no HTTP API"  # the fleet starts each with one
+    return state.url
+
+
+async def _all_or_none(*aws: Any) -> list[Any]:
+    """`asyncio.gather`, except that the first failure cancels the rest (a run whose trainer cannot
+    start does not wait for its engines to load) and is raised once they are gone."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+    failed = [t for t in tasks if t in done and not t.cancelled() and t.exception() is not None]
+    if failed:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        raise failed[0].exception()  # the others' exceptions are retrieved above: no "never retrieved" noise
+    return [task.result() for task in tasks]
+

@@ -1,0 +1,98 @@
+"""The SFT warm start before RL (the recipe's `[sft]`): train on the task's own examples until the
+policy solves some held-out items by sampling.
+
+    task.sft_examples(items) ──TokenData──► data plane ──Trajectory refs──► TrainerGroup.train(objective="sft")
+          every probe_every steps: push the weights, score probe items at temperature 1 (Evaluator.score)
+          stop at target_accuracy, at max_steps, or when the run is asked to stop
+
+Why a warm start: GRPO learns only from groups whose rewards differ; a random model never answers
+right, so every group scores 0 and is filtered. A short SFT to a sampled accuracy of 0.1-0.3 is
+where GRPO learns fastest on the demo tasks (shared/peers/rl-demo-calibration.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+from miles_async.actors.evaluation import Evaluator
+from miles_async.actors.trainer import TrainerGroup
+from miles_async.observe import Progress
+from miles_async.runtime.dataplane import DataPlane
+from miles_async.task import Task
+from miles_async.trajectory import TokenData, Trajectory, blobs, encode_data
+
+log = logging.getLogger("miles_async.actors.warmstart")
+ASK_S = 600.0
+
+
+class WarmStartConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The recipe's `[sft]`."""
+
+    max_steps: int = 300  # 0 skips the warm start
+    batch_size: int = 32
+    lr: float = 1e-3
+    target_accuracy: float = 0.15  # sampled (temperature 1) accuracy on the probe set that ends it
+    probe_every: int = 10
+    num_probe: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 0 or self.batch_size < 1 or self.probe_every < 1 or self.num_probe < 1:
+            raise ValueError(f"sft needs max_steps >= 0 and batch_size, probe_every, num_probe >= 1, got "
+                             f"{self.max_steps}, {self.batch_size}, {self.probe_every}, {self.num_probe}")
+
+
+def sft_samples(task: Task, items: list[Any]) -> list[Trajectory]:
+    """The task's SFT examples of `items` as samples, their arrays inline."""
+    samples = []
+    for i, (tokens, mask) in enumerate(task.sft_examples(items)):
+        num_generated = sum(1 for m in mask if m)
+        first = list(mask).index(1) if num_generated else len(tokens)
+        samples.append(Trajectory(prompt_id=i, num_tokens=len(tokens), num_prompt_tokens=first,
+                                  num_generated_tokens=num_generated,
+                                  data=TokenData.build(tokens=tokens, loss_mask=mask, logprobs=[0.0] * len(tokens))))
+    return samples
+
+
+def into_dataplane(samples: list[Trajectory], dataplane: DataPlane) -> list[Trajectory]:
+    """`samples` with their inline arrays moved into `dataplane` (what a message may carry)."""
+    return [msgspec.structs.replace(s, data=dataplane.put(encode_data(s.data))) if isinstance(s.data, TokenData)
+            else s for s in samples]
+
+
+async def warm_start(config: WarmStartConfig, *, task: Task, dataset: list[Any], probe: list[Any],
+                     trainer: TrainerGroup, dataplane: DataPlane, evaluator: Evaluator,
+                     push: Callable[[], Awaitable[Any]], stop: asyncio.Event, progress: bool,
+                     on_version: Callable[[int], None]) -> tuple[int, float | None]:
+    """Run the warm start (module docstring); (steps taken, last probe accuracy). `push()` pushes the
+    trainer's weights to the engines; `on_version(v)` hears each new weight version."""
+    if config.max_steps <= 0:
+        return 0, None
+    probe = probe[:config.num_probe]
+    accuracy = None
+    step = 0
+    with Progress(config.max_steps, enabled=progress) as view:
+        for step in range(1, config.max_steps + 1):
+            start = (step - 1) * config.batch_size
+            items = [dataset[(start + i) % len(dataset)] for i in range(config.batch_size)]
+            built = await asyncio.to_thread(sft_samples, task, items)  # rendering is work: off the loop
+            samples = into_dataplane(built, dataplane)
+            try:
+                metrics = await trainer.train(samples, objective="sft", lr=config.lr, timeout_s=ASK_S)
+            finally:
+                dataplane.free(blobs(samples))
+            on_version(metrics.weight_version)
+            if step % config.probe_every == 0 or step == config.max_steps:
+                await push()
+                accuracy = await evaluator.score(probe, temperature=1.0)
+                view.update({"step": step, "reward_mean": accuracy, "wall_s": evaluator.now()})
+                log.debug("SFT step %d: loss %.3f, sampled probe accuracy %.3f", step, metrics.loss, accuracy)
+                if accuracy >= config.target_accuracy or stop.is_set():
+                    break
+    log.info("SFT warm start: %d steps, sampled probe accuracy %s", step,
+             "n/a" if accuracy is None else f"{accuracy:.3f}")
+    return step, accuracy
