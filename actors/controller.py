@@ -135,6 +135,11 @@ class _Launched:
 class Controller:
     """One run (module docstring): `await Controller(config, run_dir).run()`."""
 
+    # Made by run() once the actor system is up: the run's processes, the evaluator, the watch.
+    fleet: Fleet
+    evaluator: Evaluator
+    liveness: Liveness
+
     def __init__(self, config: RunConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
                  runtime: RuntimeConfig | None = None, system: ActorSystem | None = None,
                  nodes: dict[int, Node] | None = None, engine_api_key: str | None = None) -> None:

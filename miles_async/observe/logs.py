@@ -138,7 +138,7 @@ def _open_tensorboard(log_dir: Path) -> Any | None:
     if reason is not None:
         if not _tensorboard_unavailable_said:
             _tensorboard_unavailable_said = True
-            log.info("TensorBoard mirror off: %s; metrics go to %s only", reason, METRICS_FILE)
+            log.debug("TensorBoard mirror off: %s; metrics go to %s only", reason, METRICS_FILE)
         return None
     return SummaryWriter(log_dir=str(log_dir))
 

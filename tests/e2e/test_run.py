@@ -74,6 +74,21 @@ def test_the_recipe_runs_and_writes_metrics_trace_checkpoint_and_plots(tmp_path)
 
 
 @pytest.mark.timeout(240)
+def test_the_terminal_shows_progress_and_warnings_and_verbose_brings_the_detail_back(tmp_path):
+    short = [*SHORT, "loop.num_steps=3", "sft.probe_every=5", "eval.mode=none"]
+    plain = run_cli(["run", str(RECIPE), "--out", str(tmp_path / "plain"), *short])
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert "step 3/3" in plain.stderr  # the progress display
+    logged = [line for line in plain.stderr.splitlines() if " INFO " in line or " DEBUG " in line]
+    assert len(logged) <= 3, logged  # a run's once-said lines only
+    assert "weights now at version" not in plain.stderr and "SFT step 5:" not in plain.stderr
+    verbose = run_cli(["run", str(RECIPE), "--out", str(tmp_path / "verbose"), "--verbose", *short])
+    assert verbose.returncode == 0, verbose.stderr[-3000:]
+    assert "weights now at version" in verbose.stderr and "SFT step 5:" in verbose.stderr
+    assert "pushed over shm" in verbose.stderr
+
+
+@pytest.mark.timeout(240)
 def test_true_on_policy_mode_from_the_recipe_gives_exactly_zero_mismatch_on_every_step(tmp_path):
     """`trainer.batch_invariant` and `rollout.engine.batch_invariant`: the trainer's log-prob of every
     trained token equals the engine's bit for bit, so a synchronous run's mismatch is exactly 0.0
