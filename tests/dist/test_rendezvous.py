@@ -29,13 +29,11 @@ from miles_async.launch.rendezvous import (
     NodeInfo,
     Rendezvous,
     RendezvousError,
-    SealError,
     StoreHandle,
     load_secret,
     rendezvous,
-    seal,
-    unseal,
 )
+from miles_async.launch.sealing import SealError, seal, unseal
 from miles_async.runtime import security
 
 SECRET = b"0123456789abcdef0123456789abcdef"
