@@ -17,7 +17,7 @@ from miles_async.models import init_model
 TIMEOUT_S = 90.0
 
 SCRIPT = """
-import json, sys
+import gc, json, sys
 import msgspec, torch, torch.distributed as dist
 from miles_async.trainer.config import TrainerConfig
 from miles_async.trainer.fsdp import init_distributed
@@ -46,6 +46,11 @@ if dist.get_rank() == 0:
     print("SHARES " + json.dumps(shares))
 dist.barrier()  # gloo: a rank that tears down while its peer still talks aborts ("terminate called")
 dist.destroy_process_group()
+# Free the FSDP model before the interpreter's exit, whose teardown of it can abort the process
+# ("terminate called without an active exception": about one run in six under load, seen here);
+# TrainerRank does the same when it stops.
+del trainer
+gc.collect()
 """
 
 
