@@ -13,7 +13,6 @@ the trace.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import shlex
 import shutil
@@ -29,7 +28,8 @@ from miles_async.actors.fleet import Fleet
 from miles_async.actors.scheduler import HoldRollouts
 from miles_async.actors.sessions import CloseSessions
 from miles_async.actors.trainer import ExportWeights
-from miles_async.engine.client import EngineClient, bearer, parse_output
+from miles_async.engine.backend import GenerateParams, connect
+from miles_async.engine.client import bearer
 from miles_async.observe import EvalTrace, TraceLog
 from miles_async.task import Completion, Task, load_object
 
@@ -78,20 +78,18 @@ class Evaluator:
         if self.task.multi_turn:
             return await self._score_episodes(items, temperature=temperature)
         urls = [url] if url else [self.fleet.engine_urls[e.name] for e in self.fleet.engines]
-        params = {"max_new_tokens": self.config.rollout.sampling.max_new_tokens, "temperature": temperature}
-        scores: list[float] = []
-        async with contextlib.AsyncExitStack() as stack:
-            clients = [await stack.enter_async_context(EngineClient(u, timeout_s=ASK_S, api_key=self.fleet.api_key))
-                       for u in urls]
-            chunks = [c for c in (items[i::len(clients)] for i in range(len(clients))) if c]
-            outs = await asyncio.gather(*(client.generate(input_ids=[self.task.prompt_ids(p) for p in chunk],
-                                                          sampling_params=params)
-                                          for client, chunk in zip(clients, chunks)))
-            for chunk, out in zip(chunks, outs):
-                for item, raw in zip(chunk, out):
-                    output = parse_output(raw, version=0)
-                    scores.append(float(await self.task.reward(item, Completion(
-                        text=output.text, token_ids=output.output_ids, finish_reason=output.finish_reason))))
+        params = GenerateParams(max_new_tokens=self.config.rollout.sampling.max_new_tokens, temperature=temperature)
+        backends = [connect(self.config.rollout.backend, u, api_key=self.fleet.api_key, timeout_s=ASK_S) for u in urls]
+        try:
+            outputs = await asyncio.gather(*(backends[i % len(backends)].generate(self.task.prompt_ids(item), params,
+                                                                                   version=0)
+                                             for i, item in enumerate(items)))
+        finally:
+            for backend in backends:
+                await backend.close()
+        scores = [float(await self.task.reward(item, Completion(text=out.text, token_ids=out.output_ids,
+                                                                finish_reason=out.finish_reason)))
+                  for item, out in zip(items, outputs)]
         return statistics.fmean(scores) if scores else 0.0
 
     async def _score_episodes(self, items: list[Any], *, temperature: float) -> float:

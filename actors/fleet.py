@@ -281,7 +281,7 @@ class Fleet:
         that node's address, where it wants the run's API key (and the model folder, for the tokenizer)."""
         node = self.nodes[self.config.placement.sessions]
         urls = [self.engine_urls[e.name] for e in self.engines]
-        kwargs: dict[str, Any] = {"engine_api_key": self.api_key}
+        kwargs: dict[str, Any] = {"engine_api_key": self.api_key, "backend": self.config.rollout.backend}
         if node.rank != 0:
             await self._give_model(node)
             kwargs |= {"host": node.host, "api_key": self.api_key}
@@ -295,7 +295,7 @@ class Fleet:
         sees every finished sample (through a `SampleRecorder` when the scheduler is elsewhere)."""
         cfg = self.config
         workers = [f"rollout-{i}" for i in range(cfg.rollout.num_workers)]
-        kwargs: dict[str, Any] = {"api_key": self.api_key}
+        kwargs: dict[str, Any] = {"api_key": self.api_key, "backend": cfg.rollout.backend}
         if cfg.agent.agent:
             kwargs |= {"agent": cfg.agent, "sessions": "sessions", "session_url": self.sessions_url}
         for name in workers:
@@ -318,7 +318,8 @@ class Fleet:
             await self.scheduler.tell(self._add_engine(ref.name, version))
 
     def _add_engine(self, name: str, version: int) -> AddEngine:
-        actor = name if self.config.rollout.client == "actor" else ""
+        rollout = self.config.rollout
+        actor = name if rollout.client == "actor" and rollout.backend == "embedded" else ""
         return AddEngine(name=name, url=self.engine_urls[name], version=version, actor=actor)
 
     async def _place(self, node_rank: int, cls: type, name: str, args: tuple[Any, ...],

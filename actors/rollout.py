@@ -40,7 +40,8 @@ import numpy as np
 
 from miles_async.actors.engine import Generate
 from miles_async.actors.sessions import TakeSession
-from miles_async.engine.client import EngineClient, EngineHTTPError, EngineOutput, bearer, parse_output
+from miles_async.engine.backend import Backend, EngineBackend, GenerateParams, connect
+from miles_async.engine.client import EngineHTTPError, EngineOutput, bearer
 from miles_async.engine.core import EngineConfig
 from miles_async.engine.request import GenerateRequest
 from miles_async.engine.sampling import SamplingParams
@@ -71,10 +72,13 @@ class SamplingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The rollout side of a run (the recipe's `[rollout]`): engines, workers and how they sample."""
 
+    # Which engine serves the rollouts: our embedded one (the default), a real SGLang server, or vLLM
+    # (engine/backend.py); the loop, the evaluator and the session server talk to each alike.
+    backend: Backend = "embedded"
     num_engines: int = 1
     num_workers: int = 1
     # How workers reach embedded engines: "actor" (a message to the EngineActor's mailbox) or
-    # "http" (SGLang's HTTP API, as for a real SGLang server).
+    # "http" (SGLang's HTTP API, as for a real SGLang server). Other backends are always "http".
     client: Literal["actor", "http"] = "actor"
     # Requests in flight across a weight update: "continue" (paused in place, they go on under the
     # new weights: a partial rollout spans versions) or "abort_retry" (aborted, generated again).
@@ -132,8 +136,10 @@ class RolloutWorker(Actor):
     task: Task
 
     def __init__(self, task: TaskSpec, model_dir: str, *, agent: AgentConfig | None = None, sessions: str = "",
-                 session_url: str = "", timeout_s: float = 600.0, api_key: str | None = None) -> None:
+                 session_url: str = "", timeout_s: float = 600.0, api_key: str | None = None,
+                 backend: Backend = "embedded") -> None:
         self.task_spec = task
+        self.backend_kind = backend
         self.model_dir = model_dir
         self.agent_config = agent or AgentConfig()
         self.api_key = api_key
@@ -149,7 +155,7 @@ class RolloutWorker(Actor):
         self.sessions: ActorRef | None = None
         self.session_url = session_url.rstrip("/")
         self.agent_http: aiohttp.ClientSession | None = None
-        self.clients: dict[str, EngineClient] = {}
+        self.backends: dict[str, EngineBackend] = {}  # by engine URL
         self.engine_refs: dict[str, ActorRef] = {}
         self.moe_shape: tuple[int, int] | None = None
 
@@ -159,19 +165,20 @@ class RolloutWorker(Actor):
         self.moe_shape = ModelConfig.from_hf(self.model_dir).moe_shape
 
     async def on_stop(self) -> None:
-        for client in self.clients.values():
-            await client.close()
+        for backend in self.backends.values():
+            await backend.close()
         if self.agent_http is not None:
             await self.agent_http.close()
 
     async def on_failure(self, failure: Any) -> None:
         await self.on_stop()
 
-    def _client(self, url: str) -> EngineClient:
-        client = self.clients.get(url)
-        if client is None:
-            client = self.clients[url] = EngineClient(url, timeout_s=self.timeout_s, api_key=self.api_key)
-        return client
+    def _backend(self, url: str) -> EngineBackend:
+        backend = self.backends.get(url)
+        if backend is None:
+            backend = self.backends[url] = connect(self.backend_kind, url, api_key=self.api_key,
+                                                   timeout_s=self.timeout_s)
+        return backend
 
     async def _engine_ref(self, name: str) -> ActorRef:
         ref = self.engine_refs.get(name)
@@ -182,19 +189,15 @@ class RolloutWorker(Actor):
     async def _generate(self, msg: Rollout, prompt_ids: list[int]) -> EngineOutput:
         s = msg.sampling
         if msg.engine_actor:
-            params = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                                    top_k=s.top_k, sampling_seed=msg.seed)
+            sampling = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                                      top_k=s.top_k, sampling_seed=msg.seed)
             ref = await self._engine_ref(msg.engine_actor)
             return await ref.ask(Generate(request=GenerateRequest(
-                input_ids=prompt_ids, sampling_params=params, return_logprob=True,
+                input_ids=prompt_ids, sampling_params=sampling, return_logprob=True,
                 return_routed_experts=msg.routed_experts)), timeout_s=self.timeout_s)
-        params_json: dict[str, Any] = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature,
-                                       "top_p": s.top_p, "top_k": s.top_k}
-        if msg.seed is not None:
-            params_json["sampling_seed"] = msg.seed
-        out = await self._client(msg.engine_url).generate(input_ids=prompt_ids, sampling_params=params_json,
-                                                          return_logprob=True, return_routed_experts=msg.routed_experts)
-        return parse_output(out, version=msg.engine_version)
+        params = GenerateParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                                top_k=s.top_k, seed=msg.seed, return_routed_experts=msg.routed_experts)
+        return await self._backend(msg.engine_url).generate(prompt_ids, params, version=msg.engine_version)
 
     def _identity(self, msg: Rollout, submit_s: float) -> dict[str, Any]:
         return {"prompt_id": msg.prompt_id, "index": msg.index, "attempt": msg.attempt, "request_id": msg.request_id,

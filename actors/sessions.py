@@ -15,6 +15,7 @@ from __future__ import annotations
 import msgspec
 
 from miles_async.agents.session import SessionServer
+from miles_async.engine.backend import Backend
 from miles_async.runtime import Actor, Message, handler
 from miles_async.trajectory import TokenData, Trajectory, encode_data
 
@@ -48,9 +49,9 @@ class SessionHost(Actor):
     """Runs a `SessionServer` from `on_start` to `on_stop` (module docstring)."""
 
     def __init__(self, engine_urls: list[str], model_dir: str, host: str = "127.0.0.1",
-                 api_key: str | None = None, engine_api_key: str | None = None) -> None:
+                 api_key: str | None = None, engine_api_key: str | None = None, backend: Backend = "embedded") -> None:
         self.server = SessionServer(engine_urls, model_dir, host=host, api_key=api_key,
-                                    engine_api_key=engine_api_key)
+                                    engine_api_key=engine_api_key, backend=backend)
 
     async def on_start(self) -> None:
         await self.server.start()

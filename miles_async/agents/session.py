@@ -62,7 +62,8 @@ import numpy as np
 from aiohttp import web
 
 from miles_async.agents.toolcalls import TOOL_CALL_OPEN, scan_tool_calls
-from miles_async.engine.client import EngineClient, EngineHTTPError, parse_output
+from miles_async.engine.backend import Backend, EngineBackend, GenerateParams, connect
+from miles_async.engine.client import EngineHTTPError, EngineOutput
 from miles_async.engine.server import AppServer
 from miles_async.models.config import ModelConfig
 from miles_async.models.tokenizer import Tokenizer, load_tokenizer
@@ -390,7 +391,7 @@ def trajectory_of(checkpoint: Checkpoint, moe_shape: tuple[int, int] | None) -> 
 @dataclass(slots=True)
 class EngineSlot:
     url: str
-    client: EngineClient
+    backend: EngineBackend
     num_in_flight: int = 0
     num_requests: int = 0
     num_sessions: int = 0
@@ -423,9 +424,11 @@ class SessionServer(AppServer):
     def __init__(self, engine_urls: Sequence[str], model_dir_or_tokenizer: str | Path | Tokenizer,
                  host: str = "127.0.0.1", port: int = 0, *, max_sessions: int = DEFAULT_MAX_SESSIONS,
                  engine_timeout_s: float = 600.0, engine_api_key: str | None = None,
-                 api_key: str | None = None, moe_shape: tuple[int, int] | None = None) -> None:
+                 api_key: str | None = None, moe_shape: tuple[int, int] | None = None,
+                 backend: Backend = "embedded") -> None:
         if not engine_urls:
             raise ValueError("give at least one engine URL (e.g. http://127.0.0.1:30000)")
+        self.backend_kind = backend  # how the engines are spoken to (engine/backend.py)
         self.moe_shape = moe_shape  # (MoE layers, top_k): routed experts are recorded (R3)
         if isinstance(model_dir_or_tokenizer, Tokenizer):
             tokenizer, self.model = model_dir_or_tokenizer, "miles-async"
@@ -442,7 +445,8 @@ class SessionServer(AppServer):
         self._num_closed_turns = 0
 
     def _slot(self, url: str) -> EngineSlot:
-        return EngineSlot(url, EngineClient(url, timeout_s=self.engine_timeout_s, api_key=self.engine_api_key))
+        return EngineSlot(url, connect(self.backend_kind, url, timeout_s=self.engine_timeout_s,
+                                       api_key=self.engine_api_key))
 
     # ----- Python API -----
 
@@ -457,7 +461,7 @@ class SessionServer(AppServer):
         for slot in self.engines:
             if slot.url == url and slot.alive:
                 slot.alive = False
-                await slot.client.close()
+                await slot.backend.close()
 
 
     def samples(self, session_id: str) -> list[Trajectory]:
@@ -523,16 +527,14 @@ class SessionServer(AppServer):
         engine.num_in_flight += 1
         engine.num_requests += 1
         try:
-            experts = {"return_routed_experts": True} if self.moe_shape is not None else {}
+            wanted = GenerateParams.from_sglang(params, return_routed_experts=self.moe_shape is not None)
+            output: EngineOutput | None = None
             if on_text is None:
-                out = await engine.client.generate(input_ids=input_ids, sampling_params=params, return_logprob=True,
-                                                   **experts)
+                output = await engine.backend.generate(input_ids, wanted, version=0)
             else:
-                out = None
-                async for out in engine.client.generate_stream(input_ids=input_ids, sampling_params=params,
-                                                               return_logprob=True, **experts):
-                    await on_text(out.get("text", ""))
-                if out is None:
+                async for output in engine.backend.generate_stream(input_ids, wanted, version=0):
+                    await on_text(output.text)
+                if output is None:
                     raise RequestError("the engine's stream ended without an output", status=502, kind="server_error")
         except EngineHTTPError as e:
             status = e.status if e.status in (400, 503) else 502
@@ -543,7 +545,6 @@ class SessionServer(AppServer):
                                kind="server_error") from None
         finally:
             engine.num_in_flight -= 1
-        output = parse_output(out, version=0)
         if len(output.output_logprobs) != len(output.output_ids):
             raise RequestError(f"engine {engine.url} sent {len(output.output_logprobs)} log-probs for "
                                f"{len(output.output_ids)} tokens", status=502, kind="server_error")
@@ -605,7 +606,7 @@ class SessionServer(AppServer):
     async def stop(self) -> None:
         await super().stop()
         for engine in self.engines:
-            await engine.client.close()
+            await engine.backend.close()
 
 
 # ----- HTTP -----

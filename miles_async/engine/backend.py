@@ -1,0 +1,137 @@
+"""The engine backend interface: one rollout engine as the loop, the evaluator and the session server use it.
+
+    rollout workers ─┐
+    evaluator ───────┼──► EngineBackend ─┬─ SGLangBackend ──HTTP (SGLang's native API)──► the embedded engine,
+    session server ──┘   (generate, abort,│                                               or a real SGLang server
+                          pause, resume,  └─ VllmBackend ──HTTP (vLLM's OpenAI API + RL endpoints)──► vLLM
+                          flush, health)
+
+Token ids in; output ids, the log-prob of every sampled token, the finish reason, the weight
+version of every output token (spans) and, for an MoE model, the routed experts out, as one
+`EngineOutput` whatever the engine. `connect(kind, url)` makes the client of a running server;
+which kind a run uses is `[rollout] backend`.
+
+Weight updates are not here: they go through the engine's actor (`actors/engine.py`), which owns
+the server process and knows which update paths its engine has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import msgspec
+
+from miles_async.engine.client import EngineClient, EngineOutput, parse_output
+
+BACKENDS = ("embedded", "sglang", "vllm")
+Backend = Literal["embedded", "sglang", "vllm"]
+PauseMode = Literal["abort", "retract", "in_place", "wait"]
+
+
+class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
+    """What one generation asks of an engine, in its user's terms (SGLang's names)."""
+
+    max_new_tokens: int = 128  # SGLang's default
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()  # strings that end the generation (trimmed from the text)
+    seed: int | None = None  # a sampling seed of its own (the engine's shared generator otherwise)
+    return_routed_experts: bool = False  # MoE: the experts every token was routed to (R3)
+
+    @classmethod
+    def from_sglang(cls, sampling_params: Mapping[str, Any], *, return_routed_experts: bool = False) -> GenerateParams:
+        """From SGLang's `sampling_params` (the keys this struct has; `sampling_seed` is `seed`)."""
+        fields = {k: v for k, v in sampling_params.items() if k in ("max_new_tokens", "temperature", "top_p", "top_k")}
+        stop = sampling_params.get("stop") or ()
+        return cls(**fields, stop=(stop,) if isinstance(stop, str) else tuple(stop),
+                   seed=sampling_params.get("sampling_seed"), return_routed_experts=return_routed_experts)
+
+    def sglang(self) -> dict[str, Any]:
+        """SGLang's `sampling_params`."""
+        params: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                                  "top_p": self.top_p, "top_k": self.top_k}
+        if self.stop:
+            params["stop"] = list(self.stop)
+        if self.seed is not None:
+            params["sampling_seed"] = self.seed
+        return params
+
+
+@runtime_checkable
+class EngineBackend(Protocol):
+    """A client of one running engine (module docstring). `version` is the engine's weight version
+    when the request is sent: an engine that reports no per-token versions gets it."""
+
+    url: str
+
+    async def generate(self, input_ids: list[int], params: GenerateParams, *, version: int,
+                       rid: str | None = None) -> EngineOutput: ...
+
+    def generate_stream(self, input_ids: list[int], params: GenerateParams, *, version: int,
+                        rid: str | None = None) -> AsyncIterator[EngineOutput]: ...
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort request `rid` (every request whose id starts with it, as SGLang matches), or all."""
+        ...
+
+    async def pause(self, mode: PauseMode = "abort") -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def flush_cache(self) -> None: ...
+
+    async def health(self) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
+class SGLangBackend:
+    """`EngineBackend` over SGLang's native HTTP API: the embedded engine's server, or SGLang's own."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.client = EngineClient(self.url, timeout_s=timeout_s, api_key=api_key)
+
+    async def generate(self, input_ids: list[int], params: GenerateParams, *, version: int,
+                       rid: str | None = None) -> EngineOutput:
+        out = await self.client.generate(input_ids=input_ids, sampling_params=params.sglang(), rid=rid,
+                                         return_logprob=True, return_routed_experts=params.return_routed_experts)
+        return parse_output(out, version=version)
+
+    async def generate_stream(self, input_ids: list[int], params: GenerateParams, *, version: int,
+                              rid: str | None = None) -> AsyncIterator[EngineOutput]:
+        async for out in self.client.generate_stream(input_ids=input_ids, sampling_params=params.sglang(), rid=rid,
+                                                     return_logprob=True,
+                                                     return_routed_experts=params.return_routed_experts):
+            yield parse_output(out, version=version)
+
+    async def abort(self, rid: str | None = None) -> None:
+        await self.client.abort(rid, abort_all=rid is None)
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        await self.client.pause(mode)
+
+    async def resume(self) -> None:
+        await self.client.resume()
+
+    async def flush_cache(self) -> None:
+        await self.client.flush_cache()
+
+    async def health(self) -> bool:
+        return await self.client.health()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def connect(kind: Backend, url: str, *, api_key: str | None = None, timeout_s: float = 600.0) -> EngineBackend:
+    """The client of the running `kind` engine at `url`."""
+    if kind in ("embedded", "sglang"):
+        return SGLangBackend(url, api_key=api_key, timeout_s=timeout_s)
+    if kind == "vllm":
+        from miles_async.engine.vllm import VllmBackend
+
+        return VllmBackend(url, api_key=api_key, timeout_s=timeout_s)
+    raise ValueError(f"engine backend {kind!r} is not one of {', '.join(BACKENDS)}")
