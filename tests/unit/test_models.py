@@ -135,7 +135,9 @@ def test_the_model_hands_backends_what_the_protocol_says() -> None:
     with torch.no_grad():
         logits_BTV = model(ids_BT, positions_BT, attn=recording)
     assert [c[0] for c in calls] == [0, 1]
-    assert calls[0][1:] == ((1, 3, 4, 16), (1, 3, 2, 16), (1, 3, 2, 16), [[10, 11, 12]])
+    n, k, h = model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim
+    assert (n, k, h) == (2, 1, 32)  # the tiny preset: grouped queries, vLLM's smallest CPU head size
+    assert calls[0][1:] == ((1, 3, n, h), (1, 3, k, h), (1, 3, k, h), [[10, 11, 12]])
     assert logits_BTV.shape == (1, 3, 100)
 
 
@@ -214,7 +216,7 @@ def test_load_names_missing_and_misshapen_tensors(tmp_path: Path) -> None:
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="missing model.layers.1.self_attn.q_norm.weight"):
         load_pretrained(tmp_path)
-    tensors["model.layers.1.self_attn.q_norm.weight"] = torch.ones(16)
+    tensors["model.layers.1.self_attn.q_norm.weight"] = torch.ones(32)  # the head size: right again
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"model.norm.weight has shape \(3,\)"):
         load_pretrained(tmp_path)
