@@ -16,7 +16,9 @@ How a step runs. The engine loop is one asyncio task. Each step, holding the eng
      outputs and its random generator, to be re-prefilled (mostly from the cache) later.
   2. runs the model on one packed row of all scheduled tokens, then samples, on the compute
      thread (compute.py: one thread for all torch work), so the event loop (and an HTTP server
-     on it) stays responsive;
+     on it) stays responsive; the vocabulary projection covers the sampled rows, plus the prompt
+     positions a request asked log-probs of (`logprob_start_len`: those positions are never
+     taken from the prefix cache, whose KV holds no logits);
   3. applies the results: appends tokens, checks stop conditions, finishes requests (their full
      KV blocks go into the prefix cache), and wakes whoever waits on them.
 Control calls (abort, pause, flush, weight updates) take the same lock, so they act between
@@ -52,10 +54,11 @@ from miles_async.engine.request import (
     Phase,
     Request,
     Tokenizer,
+    TopLogprobs,
     output_text,
     stop_reason,
 )
-from miles_async.engine.sampling import make_generator, sample
+from miles_async.engine.sampling import filtered_log_probs, make_generator, sample
 from miles_async.engine.weights import WeightStore, parse_version
 from miles_async.trajectory import spans_of
 
@@ -125,6 +128,7 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     weight_version: str
     paused: str | None
     weights_error: str | None = None  # why nothing is served (torn weights), if so
+    num_used_tokens: int = 0  # tokens with KV of the running requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +137,27 @@ class _Step:
     chunks: list[ScheduledChunk]
     sampled: list[bool]  # which chunks end at the request's last token (sample after them)
     input_ids: list[int]  # the chunks' tokens, packed
+    # Prompt positions scored this step: (index into requests, packed row, the prompt token it scores).
+    scored: list[tuple[int, int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class _StepResult:
+    tokens: list[int]  # one per sampled chunk
+    logprobs: list[float]
+    top: list[TopLogprobs | None]  # per sampled chunk: the k most likely tokens, when its request asked
+    scored_logprobs: list[float]  # one per _Step.scored row
+    scored_top: list[TopLogprobs | None]
+
+
+def _top(logp_RV: torch.Tensor, ks: list[int]) -> list[TopLogprobs | None]:
+    """The k most likely (log-prob, token id) of each row, k per row (0: None)."""
+    k_max = max(ks, default=0)
+    if k_max == 0:
+        return [None] * len(ks)
+    values_RK, ids_RK = logp_RV.topk(min(k_max, logp_RV.shape[-1]), dim=-1)
+    return [list(zip(v[:k].tolist(), i[:k].tolist())) if k else None
+            for v, i, k in zip(values_RK, ids_RK, ks)]
 
 
 def _copy_into(state: dict[str, torch.Tensor], items: list[tuple[str, torch.Tensor]]) -> None:
@@ -264,7 +289,10 @@ class Engine:
             rid=rid, seq=next(self._seq), prompt_ids=list(ids), params=params,
             return_logprob=request.return_logprob, return_routed_experts=request.return_routed_experts,
             generator=None if params.sampling_seed is None else make_generator(params.sampling_seed),
-            stop_token_ids=frozenset(stop_ids))
+            stop_token_ids=frozenset(stop_ids),
+            # SGLang ignores both without return_logprob
+            logprob_start_len=request.logprob_start_len if request.return_logprob else -1,
+            top_logprobs_num=request.top_logprobs_num if request.return_logprob else 0)
         self._requests[rid] = state
         if params.max_new_tokens == 0:
             self._finish(state, {"type": "length", "length": 0})
@@ -289,6 +317,12 @@ class Engine:
             raise ValueError("return_routed_experts needs a mixture-of-experts model; this one is dense")
         if params.stop and self.tokenizer is None:
             raise ValueError("sampling_params.stop needs a tokenizer; this engine has none (use stop_token_ids)")
+        if request.return_logprob and not -1 <= request.logprob_start_len <= len(ids):
+            raise ValueError(f"logprob_start_len={request.logprob_start_len} is outside [-1, {len(ids)}] (-1: no "
+                             f"prompt log-probs; at most the prompt's {len(ids)} tokens)")
+        if request.return_logprob and not 0 <= request.top_logprobs_num <= self.vocab_size:
+            raise ValueError(f"top_logprobs_num={request.top_logprobs_num} is outside [0, {self.vocab_size}] "
+                             "(the vocabulary size)")
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         """Submit and wait for the final output; cancelling the wait aborts the request."""
@@ -317,17 +351,44 @@ class Engine:
             prompt_tokens=len(state.prompt_ids), completion_tokens=len(state.output_ids),
             cached_tokens=state.cached_tokens, weight_version=self.weight_version,
             weight_versions=list(spans_of(state.weight_versions, state.version_counts, 0)),
+            weight_version_labels=[label for label, n in zip(state.version_labels, state.version_counts) if n > 0],
             output_token_logprobs=list(state.output_logprobs) if state.return_logprob else None,
             routed_experts_TLk=state.routed_experts_TLk if finished else None,
-            e2e_latency_s=(state.finished_s if finished else time.perf_counter()) - state.created_s)
+            e2e_latency_s=(state.finished_s if finished else time.perf_counter()) - state.created_s,
+            **self._logprob_fields(state))
+
+    @staticmethod
+    def _logprob_fields(state: Request) -> dict[str, Any]:
+        """SGLang's prompt log-probs (the first scored position has no log-prob) and top-k lists."""
+        if not state.return_logprob:
+            return {}
+        start = state.logprob_start_len
+        scored = state.prompt_ids[start:] if start >= 0 else []
+        first: list[float | None] = [None] if scored else []
+        fields: dict[str, Any] = {"input_token_logprobs": list(zip(first + list(state.input_logprobs), scored))}
+        if state.top_logprobs_num:
+            top_first: list[TopLogprobs | None] = [None] if scored else []
+            fields["input_top_logprobs"] = top_first + list(state.input_top)
+            fields["output_top_logprobs"] = list(state.output_top)
+        return fields
 
     # ----- control -----
 
-    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> int:
-        """Abort one request (or all); return how many were aborted (0: unknown or finished)."""
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False, prefix: bool = False) -> int:
+        """Abort one request (or all); return how many were aborted (0: unknown or finished).
+
+        `prefix`: every request whose rid starts with `rid`, as SGLang's scheduler matches an
+        abort (so "r1" aborts "r1", "r1_0" and "r10" alike; an empty prefix is refused).
+        """
+        if prefix and not rid and not abort_all:
+            raise ValueError("an empty rid prefix would abort every request; give abort_all=True for that")
         async with self._lock:
-            targets = list(self._requests.values()) if abort_all else (
-                [self._requests[rid]] if rid in self._requests else [])
+            if abort_all:
+                targets = list(self._requests.values())
+            elif prefix:
+                targets = [r for r in self._requests.values() if r.rid.startswith(rid or "")]
+            else:
+                targets = [self._requests[rid]] if rid in self._requests else []
             for request in targets:
                 self._finish(request, {"type": "abort", "message": f"request {request.rid} was aborted"})
             return len(targets)
@@ -372,6 +433,14 @@ class Engine:
     def weight_version(self) -> str:
         """The label of the weights being served (SGLang's `weight_version`)."""
         return self.weights.label
+
+    async def update_weight_version(self, label: str) -> str:
+        """Relabel the live weights (SGLang's /update_weight_version): an integer label is the new
+        version (not older than the engine's), a name keeps the version. Tokens sampled from now
+        on report it. The weights and the prefix cache are unchanged."""
+        async with self._lock:
+            self.weights.relabel(label)
+            return self.weights.label
 
     async def update_weights_from_tensors(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[
             tuple[str, torch.Tensor]], weight_version: str | int | None = None) -> str:
@@ -482,7 +551,8 @@ class Engine:
             num_cached_prompt_tokens=cached, prefix_cache_hit_rate=cached / prompt if prompt else 0.0,
             num_retractions=self._counters["retractions"], num_free_blocks=self.cache.num_free,
             num_cached_blocks=len(self.cache.tree), num_blocks=self.cache.num_blocks,
-            weight_version=self.weight_version, paused=self._paused, weights_error=self.weights.serving_error())
+            weight_version=self.weight_version, paused=self._paused, weights_error=self.weights.serving_error(),
+            num_used_tokens=sum(r.num_computed for r in self._running))
 
     # ----- the loop -----
 
@@ -496,8 +566,8 @@ class Engine:
                     if step is None:
                         self._wake.clear()
                         continue
-                    tokens, logprobs = await compute.run(self._execute, step)
-                    self._apply(step, tokens, logprobs)
+                    result = await compute.run(self._execute, step)
+                    self._apply(step, result)
                 except Exception as e:  # the loop's boundary: fail the step's requests, keep serving
                     log.exception("engine step failed")
                     for request in step.requests if step is not None else list(self._running):
@@ -536,10 +606,17 @@ class Engine:
             return None
         chunks = [ScheduledChunk(r.blocks, r.num_computed, n) for r, n in chosen]
         ids: list[int] = []
-        for request, count in chosen:
-            ids.extend(request.all_ids[request.num_computed:request.num_computed + count])
+        scored: list[tuple[int, int, int]] = []
+        for i, (request, count) in enumerate(chosen):
+            start = request.num_computed
+            position = request.next_scored_position()
+            if position is not None:  # prompt positions to score: [position, len(prompt) - 1) within the chunk
+                assert start <= position, "admission never takes a position to score from the prefix cache"
+                end = min(start + count, len(request.prompt_ids) - 1)
+                scored.extend((i, len(ids) + p - start, request.prompt_ids[p + 1]) for p in range(position, end))
+            ids.extend(request.all_ids[start:start + count])
         return _Step(requests=[r for r, _ in chosen], chunks=chunks,
-                     sampled=[r.num_computed + n == r.num_tokens for r, n in chosen], input_ids=ids)
+                     sampled=[r.num_computed + n == r.num_tokens for r, n in chosen], input_ids=ids, scored=scored)
 
     def _grow(self, request: Request, num_tokens: int) -> bool:
         """Give a running request blocks for num_tokens, retracting newer requests if memory is short.
@@ -561,7 +638,11 @@ class Engine:
     def _admit(self, request: Request) -> bool:
         """Match the prefix cache and allocate the rest of the request's known tokens; False if no room."""
         tokens = request.all_ids
-        cached = self.cache.tree.match(tokens, max_tokens=len(tokens) - 1)
+        limit = len(tokens) - 1  # the last known token is always computed: it is sampled after
+        position = request.next_scored_position()
+        if position is not None:  # cached KV has no logits: compute the positions still to score
+            limit = min(limit, position)
+        cached = self.cache.tree.match(tokens, max_tokens=limit)
         self.cache.retain(cached)
         need = self.cache.blocks_for(len(tokens)) - len(cached)
         # Keep a little headroom while others run, so that admitting does not force a retraction next step.
@@ -604,22 +685,52 @@ class Engine:
         request.blocks = []
         request.num_computed = 0
 
-    def _execute(self, step: _Step) -> tuple[list[int], list[float]]:
-        """On the compute thread: index tensors, the forward over the packed row, then sampling."""
+    def _execute(self, step: _Step) -> _StepResult:
+        """On the compute thread: index tensors, the forward over the packed row, then sampling.
+
+        The prompt positions being scored get their logits from the same projection as the
+        sampled rows, and their log-probs as the sampler takes a greedy token's (float32
+        log_softmax of the logits): row for row what a trainer's forward gives, bit for bit in
+        batch-invariant mode.
+        """
         with torch.inference_mode():
             plan = build_plan(step.chunks, self.cache.block_size)
             rows = [i for i, s in enumerate(step.sampled) if s]
-            logits_RV, experts_L1Tk = self._forward(torch.tensor([step.input_ids], dtype=torch.long), plan,
-                                                    plan.last_index_R[rows])
+            scored_rows_S = torch.tensor([row for _, row, _ in step.scored], dtype=torch.long)
+            logits_XV, experts_L1Tk = self._forward(torch.tensor([step.input_ids], dtype=torch.long), plan,
+                                                    torch.cat([plan.last_index_R[rows], scored_rows_S]))
             if experts_L1Tk is not None:
                 self.cache.enable_expert_capture(experts_L1Tk.shape[0], experts_L1Tk.shape[-1])
                 self.cache.expert_slots_TLk[plan.write_slots_T] = experts_L1Tk[:, 0].transpose(0, 1).to(torch.int32)
+            logits_RV, logits_SV = logits_XV[:len(rows)], logits_XV[len(rows):]
+            scored_logprobs: list[float] = []
+            scored_top: list[TopLogprobs | None] = []
+            if step.scored:
+                logp_SV = torch.log_softmax(logits_SV.float(), dim=-1)
+                targets_S = torch.tensor([target for _, _, target in step.scored], dtype=torch.long)
+                scored_logprobs = logp_SV.gather(1, targets_S[:, None]).squeeze(1).tolist()
+                scored_top = _top(logp_SV, [step.requests[i].top_logprobs_num for i, _, _ in step.scored])
             if not rows:
-                return [], []
+                return _StepResult([], [], [], scored_logprobs, scored_top)
             picked = [step.requests[i] for i in rows]
             tokens_R, logprobs_R = sample(logits_RV, [r.params for r in picked], [r.generator for r in picked],
                                           self._shared_generator)
-            return tokens_R.tolist(), logprobs_R.tolist()
+            return _StepResult(tokens_R.tolist(), logprobs_R.tolist(), self._output_top(logits_RV, picked),
+                               scored_logprobs, scored_top)
+
+    @staticmethod
+    def _output_top(logits_RV: torch.Tensor, picked: list[Request]) -> list[TopLogprobs | None]:
+        """The k most likely next tokens of the rows whose request asked, under the distribution the
+        sampler took the chosen token's log-prob from (greedy: the model's; else temperature and
+        top-k/top-p applied), so a chosen token in the top k shows the same log-prob in both."""
+        asked = [i for i, r in enumerate(picked) if r.top_logprobs_num]
+        top: list[TopLogprobs | None] = [None] * len(picked)
+        for i in asked:
+            params = picked[i].params
+            row_1V = logits_RV[i:i + 1].float()
+            logp_1V = torch.log_softmax(row_1V, dim=-1) if params.greedy else filtered_log_probs(row_1V, [params])
+            top[i] = _top(logp_1V, [picked[i].top_logprobs_num])[0]
+        return top
 
     def _forward(self, input_ids_1T: torch.Tensor, plan: StepPlan,
                  rows_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -639,15 +750,22 @@ class Engine:
         logits_1TV, experts_L1Tk = out if isinstance(out, tuple) else (out, None)
         return logits_1TV[0, rows_R], experts_L1Tk
 
-    def _apply(self, step: _Step, tokens: list[int], logprobs: list[float]) -> None:
+    def _apply(self, step: _Step, result: _StepResult) -> None:
         self._counters["steps"] += 1
-        picked = iter(zip(tokens, logprobs))
+        for (i, _, _), logprob, top in zip(step.scored, result.scored_logprobs, result.scored_top):
+            request = step.requests[i]
+            request.input_logprobs.append(logprob)
+            if top is not None:
+                request.input_top.append(top)
+        picked = iter(zip(result.tokens, result.logprobs, result.top))
         for request, chunk, sampled in zip(step.requests, step.chunks, step.sampled):
             assert request.phase is Phase.RUNNING, "requests change phase only under the engine lock"
             request.num_computed += chunk.num_tokens
             if not sampled:
                 continue
-            token, logprob = next(picked)
+            token, logprob, top = next(picked)
+            if top is not None:
+                request.output_top.append(top)
             if request.prefilling:
                 # The prompt (or a re-prefill after retraction) is complete: share its full blocks now.
                 request.prefilling = False
@@ -655,10 +773,12 @@ class Engine:
                     self.cache.tree.insert(request.all_ids, request.blocks, request.num_computed)
             request.output_ids.append(token)
             request.output_logprobs.append(logprob)
-            if request.weight_versions and request.weight_versions[-1] == self.weights.version:
+            if (request.weight_versions and request.weight_versions[-1] == self.weights.version
+                    and request.version_labels[-1] == self.weights.label):
                 request.version_counts[-1] += 1
             else:  # the first token, or the first after a weight update (a partial rollout spans it)
                 request.weight_versions.append(self.weights.version)
+                request.version_labels.append(self.weights.label)
                 request.version_counts.append(1)
             self._counters["generated_tokens"] += 1
             reason = stop_reason(request, token, self.tokenizer)

@@ -1,9 +1,12 @@
 """What a caller submits to the engine, what it gets back, and the engine's state of one request.
 
 `GenerateRequest` is the input (token ids and sampling parameters; the HTTP layer has already
-tokenized any text). `GenerateOutput` is a snapshot of a request's progress: the final one has a
-`finish_reason` in SGLang's shape ({"type": "stop" | "length" | "abort", ...}). `Request` is the
-engine's own mutable record, touched only on the engine's event loop.
+tokenized any text). Log-probs follow SGLang: with `return_logprob`, every output token's;
+`logprob_start_len` >= 0 adds the prompt's from that position on (the first of them has none:
+nothing before it is scored); `top_logprobs_num` adds the k most likely tokens at each position.
+`GenerateOutput` is a snapshot of a request's progress: the final one has a `finish_reason` in
+SGLang's shape ({"type": "stop" | "length" | "abort", ...}). `Request` is the engine's own
+mutable record, touched only on the engine's event loop.
 """
 
 from __future__ import annotations
@@ -37,12 +40,21 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     rid: str | None = None
     return_logprob: bool = False
     return_routed_experts: bool = False
+    logprob_start_len: int = -1  # with return_logprob: the first prompt position to report (-1: none)
+    top_logprobs_num: int = 0  # with return_logprob: the k most likely tokens at each reported position
+
+
+# (log-prob, token id) of one of the k most likely tokens at a position, most likely first.
+TopLogprobs = list[tuple[float, int]]
 
 
 class GenerateOutput(msgspec.Struct, kw_only=True):
     """A request's outputs so far; `finish_reason` is None until it finishes.
 
     `output_token_logprobs[i]` is the log-prob of `output_ids[i]` (when asked for);
+    `input_token_logprobs` pairs (log-prob, token id) for the prompt from `logprob_start_len` on,
+    the first log-prob None (SGLang's shape); `input_top_logprobs` / `output_top_logprobs` the k
+    most likely tokens at each of those positions (the first input one None);
     `routed_experts_TLk` (MoE, when asked for) covers every token with KV, prompt included:
     prompt_tokens + completion_tokens - 1 rows, as SGLang reports them.
     """
@@ -59,8 +71,13 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     routed_experts_TLk: torch.Tensor | None = None
     e2e_latency_s: float = 0.0
     # The weight version of every output token, as spans over output positions (a partial rollout
-    # that ran across a weight update has one span per version).
+    # that ran across a weight update has one span per version), and each span's label (SGLang's
+    # `weight_version` text at the time: "3", or a name such as "step-7").
     weight_versions: list[VersionSpan] = []
+    weight_version_labels: list[str] = []
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[TopLogprobs | None] | None = None
+    output_top_logprobs: list[TopLogprobs] | None = None
 
 
 class Phase(enum.Enum):
@@ -81,8 +98,14 @@ class Request:
     return_routed_experts: bool
     generator: torch.Generator | None
     stop_token_ids: frozenset[int]
+    logprob_start_len: int = -1  # -1: no prompt log-probs (GenerateRequest's, -1 unless return_logprob)
+    top_logprobs_num: int = 0
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[TopLogprobs] = field(default_factory=list)
+    # Log-probs of prompt tokens logprob_start_len + 1, ... (each scored by the position before it).
+    input_logprobs: list[float] = field(default_factory=list)
+    input_top: list[TopLogprobs] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     num_computed: int = 0
     cached_tokens: int = 0
@@ -92,6 +115,7 @@ class Request:
     num_retractions: int = 0
     weight_versions: list[int] = field(default_factory=list)  # every version a token was sampled under, in order
     version_counts: list[int] = field(default_factory=list)  # how many output tokens each of them sampled
+    version_labels: list[str] = field(default_factory=list)  # the label of each of them
     phase: Phase = Phase.WAITING
     finish_reason: dict[str, Any] | None = None
     routed_experts_TLk: torch.Tensor | None = None
@@ -108,6 +132,17 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def next_scored_position(self) -> int | None:
+        """The next prompt position whose logits the prompt log-probs still need, or None.
+
+        Position p scores prompt token p + 1, so positions logprob_start_len .. len(prompt) - 2
+        are needed; the prefix cache must not skip them (the engine caps its match here).
+        """
+        if self.logprob_start_len < 0:
+            return None
+        position = self.logprob_start_len + len(self.input_logprobs)
+        return position if position < len(self.prompt_ids) - 1 else None
 
 
 def stop_reason(request: Request, token_id: int, tokenizer: Tokenizer | None) -> dict[str, Any] | None:

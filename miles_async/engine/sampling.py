@@ -159,7 +159,7 @@ def sample(
     if not bool(greedy_R.all()):
         rows = (~greedy_R).nonzero().squeeze(1)
         chosen = [params[i] for i in rows.tolist()]
-        logp_SV = _filtered_log_probs(logits_RV[rows], chosen)
+        logp_SV = filtered_log_probs(logits_RV[rows], chosen)
         noise_SV = _exponential_noise(logp_SV.shape, [generators[i] for i in rows.tolist()], shared_generator)
         picked_S = (logp_SV - noise_SV.log()).argmax(dim=-1)  # log p - log E: the race in log space
         tokens_R[rows] = picked_S
@@ -167,7 +167,7 @@ def sample(
     return tokens_R, logprobs_R
 
 
-def _filtered_log_probs(logits_SV: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def filtered_log_probs(logits_SV: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """log_softmax of logits / temperature after top-k and top-p, per row (-inf where filtered)."""
     temps_S1 = torch.tensor([[p.temperature] for p in params], dtype=logits_SV.dtype)
     scaled_SV = logits_SV / temps_S1

@@ -34,7 +34,6 @@ double-buffered at no extra memory.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-
 import torch
 
 from miles_async.transport.buckets import NamedTensors, as_items
@@ -168,6 +167,19 @@ class WeightStore:
             self._target_seq = self._segments[0].seq
         return self.live
 
+    def retarget(self, version: int, label: str | None = None) -> None:
+        """Change the version the update in progress commits as (a later bucket named it)."""
+        if self.updating is None:
+            raise RuntimeError("no weight update in progress: call begin(version) first")
+        self.check_newer(version)
+        self.updating, self._updating_label = version, label if label is not None else str(version)
+
+    @property
+    def num_missing(self) -> int:
+        """Tensors the update in progress has not written yet (all of them when none is in progress)."""
+        return len([name for name in self.live if name not in self._written]) if self.updating is not None \
+            else len(self.live)
+
     def target(self) -> dict[str, torch.Tensor]:
         if self.updating is None:
             raise RuntimeError("no weight update in progress: call begin(version) first")
@@ -269,6 +281,18 @@ class WeightStore:
         if self._segments:
             self._live_seq = self._segments[0].seq
 
+    def relabel(self, label: str) -> int:
+        """Give the live weights a new label (SGLang's /update_weight_version); return the version.
+
+        An integer label is the version (not older than the engine's); a name keeps the version.
+        """
+        integer = label.strip().lstrip("-").isdigit()
+        version = int(label) if integer else self.version
+        if version < self.version:
+            raise StaleVersionError(f"weight version {version} is older than the engine's {self.version}")
+        self.version, self.label = version, str(version) if integer else label
+        return self.version
+
     def checksums(self) -> dict[str, str]:
         return checksums(self.live)
 
@@ -326,3 +350,4 @@ class WeightStore:
             return (f"the update to version {self.updating} is missing {len(missing)} of {len(self.live)} "
                     f"tensors, e.g. {', '.join(missing[:4])}")
         return None
+

@@ -293,3 +293,128 @@ def test_sampling_draws_tokens_with_their_probabilities():
     expected_V = torch.softmax(logits_RV[0].double(), dim=-1)
     assert torch.allclose(frequencies_V, expected_V, atol=0.01), (frequencies_V, expected_V)
     assert torch.allclose(logprobs_R, torch.log_softmax(logits_RV, -1).gather(1, tokens_R[:, None]).squeeze(1))
+
+
+def full_log_probs(model, ids: list[int]) -> torch.Tensor:
+    """log_softmax of a plain full forward: row p is the distribution of token p + 1."""
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([ids]))[0].float(), dim=-1)
+
+
+@pytest.mark.parametrize("config", [
+    EngineConfig(kv_cache_mib=2, block_size=4),
+    EngineConfig(kv_cache_mib=2, block_size=4, max_prefill_tokens=5),  # scored positions span prefill chunks
+])
+def test_prompt_log_probs_and_top_k_equal_a_full_forward_even_over_a_cached_prefix(dense_dir, config):
+    model = load_pretrained(dense_dir)
+    engine = Engine(model, config=config)
+    prompt = prompts(1, model.config.vocab_size, start_len=19)[0]
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    start, k = 6, 3
+
+    async def scenario():
+        async with engine:
+            warm = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=params))
+            # The whole prompt is cached now; the scored positions must be computed again all the same.
+            scored = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=params,
+                                                           return_logprob=True, logprob_start_len=start,
+                                                           top_logprobs_num=k))
+            plain = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=params,
+                                                          return_logprob=True))
+            return warm, scored, plain
+
+    warm, scored, plain = run(scenario())
+    assert 0 < scored.cached_tokens <= start and plain.cached_tokens > start
+    logp_TV = full_log_probs(model, prompt + scored.output_ids)
+    inputs = scored.input_token_logprobs
+    assert [t for _, t in inputs] == prompt[start:] and inputs[0][0] is None
+    expected = [float(logp_TV[p - 1, prompt[p]]) for p in range(start + 1, len(prompt))]
+    assert [lp for lp, _ in inputs[1:]] == pytest.approx(expected, abs=1e-4)
+    assert scored.input_top_logprobs[0] is None and len(scored.input_top_logprobs) == len(prompt) - start
+    for p, top in zip(range(start + 1, len(prompt)), scored.input_top_logprobs[1:]):
+        values_K, ids_K = logp_TV[p - 1].topk(k)
+        assert [i for _, i in top] == ids_K.tolist() and [v for v, _ in top] == pytest.approx(values_K.tolist(), abs=1e-4)
+    # Greedy: the chosen token is the most likely one, with the same log-prob in both lists.
+    assert len(scored.output_top_logprobs) == len(scored.output_ids) == 4
+    for token, logprob, top in zip(scored.output_ids, scored.output_token_logprobs, scored.output_top_logprobs):
+        assert top[0] == (pytest.approx(logprob), token) and len(top) == k
+    assert scored.output_ids == warm.output_ids == plain.output_ids
+    # Without logprob_start_len (SGLang's -1): output log-probs only, no prompt ones, no top-k.
+    assert plain.input_token_logprobs == [] and plain.input_top_logprobs is None
+    assert warm.input_token_logprobs is None and warm.output_token_logprobs is None
+
+
+def test_prompt_log_probs_from_position_0_and_bad_starts(dense_dir):
+    model = load_pretrained(dense_dir)
+    engine = Engine(model, config=EngineConfig(kv_cache_mib=2, block_size=4))
+    prompt = prompts(1, model.config.vocab_size, start_len=7)[0]
+    params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+
+    async def scenario():
+        async with engine:
+            for start, top_k, message in [(8, 0, "logprob_start_len=8"), (-2, 0, "logprob_start_len=-2"),
+                                          (0, -1, "top_logprobs_num=-1")]:
+                with pytest.raises(ValueError, match=message):
+                    engine.submit(GenerateRequest(input_ids=prompt, sampling_params=params, return_logprob=True,
+                                                  logprob_start_len=start, top_logprobs_num=top_k))
+            whole = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=params,
+                                                          return_logprob=True, logprob_start_len=0))
+            # Without return_logprob SGLang ignores both fields, and so does the engine.
+            ignored = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=params,
+                                                            logprob_start_len=99, top_logprobs_num=5))
+            return whole, ignored
+
+    whole, ignored = run(scenario())
+    logp_TV = full_log_probs(model, prompt)
+    assert whole.input_token_logprobs[0] == (None, prompt[0])
+    assert [lp for lp, _ in whole.input_token_logprobs[1:]] == pytest.approx(
+        [float(logp_TV[p - 1, prompt[p]]) for p in range(1, len(prompt))], abs=1e-4)
+    assert ignored.input_token_logprobs is None and ignored.output_top_logprobs is None
+
+
+def test_abort_matches_a_rid_prefix_as_sglang_does(dense_dir):
+    model = load_pretrained(dense_dir)
+    engine = Engine(model, config=EngineConfig(kv_cache_mib=2))
+    long = SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True)
+
+    async def scenario():
+        async with engine:
+            await engine.pause("in_place")  # keep them all in flight
+            states = {rid: engine.submit(GenerateRequest(input_ids=[5, 6, 7], rid=rid, sampling_params=long))
+                      for rid in ("r1", "r1_0", "r10", "r2")}
+            with pytest.raises(ValueError, match="empty rid prefix"):
+                await engine.abort("", prefix=True)
+            exact = await engine.abort("r1_", prefix=False)  # no request is called exactly "r1_"
+            prefixed = await engine.abort("r1", prefix=True)
+            await engine.resume()
+            await states["r2"].done.wait()
+            return exact, prefixed, {rid: s.finish_reason["type"] for rid, s in states.items()}
+
+    exact, prefixed, reasons = run(scenario())
+    assert (exact, prefixed) == (0, 3)
+    assert reasons == {"r1": "abort", "r1_0": "abort", "r10": "abort", "r2": "length"}
+
+
+def test_a_relabelled_version_starts_a_span_of_its_own(dense_dir):
+    model = load_pretrained(dense_dir)
+    engine = Engine(model, config=EngineConfig(kv_cache_mib=2))
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    prompt = list(range(5, 25))  # longer than a block: the prefix cache keeps some of it
+
+    async def scenario():
+        async with engine:
+            first = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=params))
+            assert await engine.update_weight_version("step-1") == "step-1"  # a name: the version stays 0
+            named = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=params))
+            assert await engine.update_weight_version("4") == "4"
+            with pytest.raises(ValueError, match="older"):
+                await engine.update_weight_version("3")
+            numbered = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=params))
+            return first, named, numbered
+
+    first, named, numbered = run(scenario())
+    assert [(s.version, s.start, s.end) for s in first.weight_versions] == [(0, 0, 6)]
+    assert first.weight_version_labels == ["0"]
+    assert named.weight_version_labels == ["step-1"] and named.weight_versions[0].version == 0
+    assert numbered.weight_version_labels == ["4"] and numbered.weight_versions[0].version == 4
+    assert numbered.cached_tokens > 0  # relabelling keeps the weights, so the prefix cache stays
