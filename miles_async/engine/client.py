@@ -64,21 +64,29 @@ class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int = 0
 
 
+def version_of(label: Any, default: int) -> int:
+    """Our integer version from SGLang's `weight_version` label (any text): an integer's text is
+    the pusher's version; any other label (SGLang's "default", a name) is `default`."""
+    try:
+        return int(str(label).strip())
+    except ValueError:
+        return default
+
+
 def parse_output(out: dict[str, Any], *, version: int) -> EngineOutput:
     """SGLang's /generate JSON (one item) -> `EngineOutput`. `version` is the engine's weight
-    version when the request was sent: an engine that reports no per-token spans (only its
-    `weight_version` label) gets one span, at its label when that is an integer, else at `version`."""
+    version when the request was sent. SGLang's `weight_versions` spans carry labels (text), read
+    by `version_of`; an engine that reports no spans (only its `weight_version` label) gets one span
+    over the whole output. Empty spans (SGLang reports the current version over [0, 0) before the
+    first token) are dropped."""
     meta = out.get("meta_info") or {}
     output_ids = [int(t) for t in out.get("output_ids") or []]
     logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
-    spans = [VersionSpan(version=int(s["version"]), start=int(s["start"]), end=int(s["end"]))
-             for s in meta.get("weight_versions") or []]
+    spans = [VersionSpan(version=version_of(s["version"], version), start=int(s["start"]), end=int(s["end"]))
+             for s in meta.get("weight_versions") or [] if int(s["end"]) > int(s["start"])]
     if not spans and output_ids:
-        try:  # SGLang's label is any text; an integer one is the pusher's version
-            final = int(str(meta.get("weight_version", "")))
-        except ValueError:
-            final = version
-        spans = [VersionSpan(version=final, start=0, end=len(output_ids))]
+        spans = [VersionSpan(version=version_of(meta.get("weight_version", ""), version), start=0,
+                             end=len(output_ids))]
     experts = base64.b64decode(meta["routed_experts"]) if meta.get("routed_experts") else b""
     return EngineOutput(output_ids=output_ids, output_logprobs=logprobs,
                         finish_reason=(meta.get("finish_reason") or {}).get("type", "abort"), weight_versions=spans,
@@ -177,10 +185,15 @@ class EngineClient:
             await asyncio.sleep(interval_s)
 
     async def model_info(self) -> dict[str, Any]:
-        return await self._request("GET", "/get_model_info")
+        return await self._request("GET", "/model_info")
 
     async def server_info(self) -> dict[str, Any]:
-        return await self._request("GET", "/get_server_info")
+        """GET /server_info: flat ServerArgs fields, and `internal_states` (one per DP rank)."""
+        return await self._request("GET", "/server_info")
+
+    async def loads(self) -> dict[str, Any]:
+        """GET /v1/loads: {"loads": [one per DP rank: num_running_reqs, num_waiting_reqs, ...], ...}."""
+        return await self._request("GET", "/v1/loads")
 
     # ----- control -----
 
@@ -188,6 +201,7 @@ class EngineClient:
         await self._request("POST", "/flush_cache")
 
     async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        """POST /abort_request: every request whose rid starts with `rid` (SGLang matches a prefix), or all."""
         if rid is None and not abort_all:
             raise ValueError("give rid (the request to abort) or abort_all=True")
         await self._request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
@@ -206,6 +220,39 @@ class EngineClient:
         if weight_version is not None:
             payload["weight_version"] = weight_version
         return await self._request("POST", "/update_weights_from_disk", payload)
+
+    async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = True) -> dict[str, Any]:
+        """POST /update_weight_version: relabel the weights being served."""
+        return await self._request("POST", "/update_weight_version",
+                                   {"new_version": new_version, "abort_all_requests": abort_all_requests})
+
+    # The distributed path: the caller is rank 0 of a group it opens at master_address:master_port
+    # and broadcasts each tensor named in update_weights_from_distributed, in order.
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, *, group_name: str = "weight_update_group",
+                                        backend: str = "nccl") -> dict[str, Any]:
+        """POST /init_weights_update_group; returns once the engine has joined (so the caller joins concurrently)."""
+        return await self._request("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                                              group_name: str = "weight_update_group",
+                                              weight_version: str | None = None) -> dict[str, Any]:
+        payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return await self._request("POST", "/update_weights_from_distributed", payload)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        return await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def begin_weight_update(self) -> dict[str, Any]:
+        return await self._request("POST", "/begin_weight_update", {})
+
+    async def end_weight_update(self) -> dict[str, Any]:
+        return await self._request("POST", "/end_weight_update", {})
 
 
 def _generate_payload(input_ids: Any, text: Any, sampling_params: dict[str, Any] | None, rid: str | None,

@@ -1,23 +1,41 @@
-"""SGLang's native HTTP API in front of the embedded engine (aiohttp.web).
+"""SGLang's HTTP API (0.5.23) in front of the embedded engine (aiohttp.web), and OpenAI's.
 
     miles-async serve engine --model DIR --port 30000
     curl -s localhost:30000/generate -d '{"text": "Hello", "sampling_params": {"max_new_tokens": 8}}'
 
-Endpoints and field names are SGLang's (python/sglang/srt/entrypoints/http_server.py and
-managers/io_struct.py), so `EngineClient` and any SGLang client work against either server:
+Endpoints, field names and answers are SGLang's (python/sglang/srt/entrypoints/http_server.py
+and managers/io_struct.py; tests/e2e/test_sglang_conformance.py checks them against the wheel),
+so `EngineClient` and any SGLang client work against either server:
   POST /generate                  text | input_ids (one, or a batch as a list), sampling_params,
-                                  rid, return_logprob, return_text_in_logprobs,
+                                  rid (a batch's "r" becomes "r_0", "r_1", ...), return_logprob,
+                                  logprob_start_len, top_logprobs_num, return_text_in_logprobs,
                                   return_routed_experts, stream (SSE "data: {...}" lines, then
                                   "data: [DONE]")
                                   -> text, output_ids, meta_info {id, finish_reason,
                                   prompt_tokens, completion_tokens, cached_tokens, weight_version,
-                                  e2e_latency, output_token_logprobs [[logprob, id, text|null]],
-                                  routed_experts (base64 int32, [prompt+completion-1, layers, k])}
-  GET  /health, /health_generate, /get_model_info (/model_info), /get_server_info
-  POST /flush_cache, /abort_request {rid, abort_all}, /pause_generation {mode},
-       /continue_generation, /update_weights_from_disk {model_path, weight_version}
-A malformed request gets HTTP 400 with {"error": {"message": ...}} naming the problem; a full
-queue gets 503. Streamed outputs are cumulative, as SGLang's are by default.
+                                  weight_versions [{version (its label), start, end}] over output
+                                  positions, e2e_latency, input_token_logprobs / output_token_logprobs
+                                  [[logprob, id, text|null]] (the first input one's logprob null),
+                                  input_top_logprobs / output_top_logprobs (per position, k of those
+                                  or null), routed_experts (base64 int32, [prompt+completion-1,
+                                  layers, k])}
+  GET  /health, /health_generate, /model_info (/get_model_info), /server_info (/get_server_info:
+       ServerArgs-like fields, flat, plus internal_states), /v1/loads, /get_load (sglang-router
+       0.3.2 polls it; SGLang 0.5.23 itself has /v1/loads only)
+  POST /flush_cache, /abort_request {rid (a prefix: every request whose rid starts with it),
+       abort_all}, /pause_generation {mode}, /continue_generation
+  Weights: /update_weights_from_disk {model_path, weight_version}, /update_weight_version
+       {new_version}, /init_weights_update_group and /destroy_weights_update_group (a
+       torch.distributed group whose rank 0 broadcasts), /update_weights_from_distributed {names,
+       dtypes, shapes, group_name, weight_version} (buckets of one update, live once every weight
+       has arrived, or at /end_weight_update after /begin_weight_update), /release_memory_occupation
+       and /resume_memory_occupation (no-ops: nothing here is offloaded), /update_weights_from_tensor
+       (refused: see its handler).
+OpenAI's (openai.py): GET /v1/models; POST /v1/completions, /v1/chat/completions.
+A malformed request gets HTTP 400 naming the field, {"error": {"message": ...}} (the weight
+endpoints answer as SGLang's do, {"success": false, "message": ...}; the OpenAI ones in OpenAI's
+error shape); a full queue gets 503. Streamed /generate outputs are cumulative, as SGLang's are by
+default.
 """
 
 from __future__ import annotations
@@ -26,20 +44,27 @@ import abc
 import array
 import asyncio
 import base64
+import datetime
 import hmac
 import json
 import logging
 import signal
 import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 from aiohttp import web
 
+import miles_async
 from miles_async.engine.core import PAUSE_MODES, Engine, EngineOverloadedError, WeightsUnavailableError
-from miles_async.engine.request import GenerateOutput, GenerateRequest
+from miles_async.engine.request import GenerateOutput, GenerateRequest, TopLogprobs
 from miles_async.engine.sampling import SamplingParams
+from miles_async.engine.weights import GroupReceiver
+from miles_async.transport.errors import TransportError
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -47,11 +72,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ENGINE_KEY = web.AppKey("engine", Engine)
+RECEIVER_KEY = web.AppKey("receiver", GroupReceiver)
+STARTED_KEY = web.AppKey("started_s", float)
 MAX_BODY_BYTES = 64 * 2**20
 # GenerateReqInput fields for features this engine does not have: a request that sets one gets a
 # 400 instead of an answer that silently ignores it. Other unknown fields are ignored, as SGLang does.
 UNSUPPORTED_FIELDS = ("image_data", "video_data", "audio_data", "input_embeds", "lora_path", "session_params",
-                      "custom_logit_processor", "return_hidden_states", "token_ids_logprob")
+                      "custom_logit_processor", "return_hidden_states", "token_ids_logprob",
+                      "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs", "return_sampling_mask")
+# Our model families' transformers class names, for a checkpoint without them in its config.json.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 class BadRequest(ValueError):
@@ -85,6 +116,13 @@ def _field(body: dict[str, Any], key: str, kind: type | tuple[type, ...], defaul
     return value
 
 
+def _required(body: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    value = _field(body, key, kind)
+    if value is None:
+        raise BadRequest(f"{key} is required")
+    return value
+
+
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
 
@@ -95,15 +133,18 @@ def _token_ids(value: Any, where: str) -> list[int]:
     return value
 
 
+def served_model_name(engine: Engine) -> str:
+    """SGLang's default: the model path."""
+    return engine.model_path or "miles-async-embedded"
+
+
+# ----- generation -----
+
 def parse_generate(body: dict[str, Any], engine: Engine) -> tuple[list[GenerateRequest], bool, bool]:
     """GenerateReqInput → engine requests; returns (requests, is_batch, return_text_in_logprobs)."""
     for name in UNSUPPORTED_FIELDS:
         if body.get(name) not in (None, False, [], {}):
             raise BadRequest(f"{name} is not supported by the embedded engine")
-    for name, neutral in (("logprob_start_len", -1), ("top_logprobs_num", 0)):
-        if body.get(name) not in (None, neutral):
-            raise BadRequest(f"{name}={body[name]!r} is not supported: the embedded engine returns output-token "
-                             "log-probs only (leave it unset)")
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise BadRequest("give exactly one of text and input_ids")
@@ -123,11 +164,18 @@ def parse_generate(body: dict[str, Any], engine: Engine) -> tuple[list[GenerateR
     params = _per_item(body.get("sampling_params"), count, is_batch, "sampling_params", dict)
     rids = _per_item(body.get("rid"), count, is_batch, "rid", str)
     return_logprob = _per_item(body.get("return_logprob"), count, is_batch, "return_logprob", bool)
+    starts = _per_item(body.get("logprob_start_len"), count, is_batch, "logprob_start_len", int)
+    tops = _per_item(body.get("top_logprobs_num"), count, is_batch, "top_logprobs_num", int)
     return_experts = _field(body, "return_routed_experts", bool, False)
+    if _field(body, "routed_experts_start_len", int, 0):
+        raise BadRequest("routed_experts_start_len is not supported: the embedded engine returns every token's "
+                         "experts (leave it 0)")
     try:
         requests = [
             GenerateRequest(input_ids=prompt, sampling_params=SamplingParams.from_json(params[i], engine.vocab_size),
-                            rid=rids[i], return_logprob=bool(return_logprob[i]), return_routed_experts=return_experts)
+                            rid=rids[i], return_logprob=bool(return_logprob[i]), return_routed_experts=return_experts,
+                            logprob_start_len=-1 if starts[i] is None else starts[i],
+                            top_logprobs_num=tops[i] or 0)
             for i, prompt in enumerate(prompts)]
     except (ValueError, TypeError) as e:
         raise BadRequest(str(e)) from None
@@ -145,7 +193,7 @@ def _per_item(value: Any, count: int, is_batch: bool, name: str, kind: type) -> 
             raise BadRequest(f"{name} has {len(value)} items for a batch of {count}")
         items = value
     elif is_batch and kind is str:
-        return [f"{value}-{i}" for i in range(count)]  # SGLang's rid prefix for a batch
+        return [f"{value}_{i}" for i in range(count)]  # SGLang's rid prefix for a batch
     else:
         items = [value] * count
     for item in items:
@@ -162,19 +210,27 @@ def format_output(out: GenerateOutput, engine: Engine, text_in_logprobs: bool) -
         "completion_tokens": out.completion_tokens,
         "cached_tokens": out.cached_tokens,
         "weight_version": out.weight_version,
-        # The version of every output token as spans [start, end) (a partial rollout spans updates).
-        "weight_versions": [{"version": s.version, "start": s.start, "end": s.end} for s in out.weight_versions],
+        # The version of every output token as spans [start, end) (a partial rollout spans updates);
+        # before the first token, SGLang reports the current version over [0, 0).
+        "weight_versions": [{"version": label, "start": s.start, "end": s.end}
+                            for s, label in zip(out.weight_versions, out.weight_version_labels)]
+        or [{"version": out.weight_version, "start": 0, "end": 0}],
         "e2e_latency": round(out.e2e_latency_s, 6),
     }
     if out.output_token_logprobs is not None:
         decode = engine.tokenizer.decode if text_in_logprobs and engine.tokenizer is not None else None
-        meta["output_token_logprobs"] = [[lp, tid, decode([tid]) if decode else None]
-                                         for lp, tid in zip(out.output_token_logprobs, out.output_ids)]
+
+        def entries(pairs: list[tuple[float | None, int]] | TopLogprobs) -> list[list[Any]]:
+            return [[lp, tid, decode([tid]) if decode else None] for lp, tid in pairs]
+
+        meta["input_token_logprobs"] = entries(out.input_token_logprobs or [])
+        meta["output_token_logprobs"] = entries(list(zip(out.output_token_logprobs, out.output_ids)))
+        if out.input_top_logprobs is not None:
+            meta["input_top_logprobs"] = [None if top is None else entries(top) for top in out.input_top_logprobs]
+            meta["output_top_logprobs"] = [entries(top) for top in out.output_top_logprobs or []]
     if out.routed_experts_TLk is not None:
         meta["routed_experts"] = encode_routed_experts(out.routed_experts_TLk)
-    result: dict[str, Any] = {"text": out.text if out.text is not None else "", "output_ids": out.output_ids,
-                              "meta_info": meta}
-    return result
+    return {"text": out.text if out.text is not None else "", "output_ids": out.output_ids, "meta_info": meta}
 
 
 def encode_routed_experts(experts_TLk: torch.Tensor) -> str:
@@ -185,14 +241,9 @@ def encode_routed_experts(experts_TLk: torch.Tensor) -> str:
     return base64.b64encode(values.tobytes()).decode("ascii")
 
 
-async def generate(request: web.Request) -> web.StreamResponse:
-    engine = request.app[ENGINE_KEY]
-    body = await _read_json(request)
-    requests, is_batch, text_in_logprobs = parse_generate(body, engine)
-    stream = _field(body, "stream", bool, False)
-    if stream and is_batch:
-        raise BadRequest("stream is supported for one prompt at a time, not for a batch")
-    states = []
+async def submit_all(engine: Engine, requests: list[GenerateRequest]) -> list:
+    """Submit every request, or none (a refused one aborts those submitted before it)."""
+    states: list = []
     try:
         for item in requests:
             states.append(engine.submit(item))
@@ -202,14 +253,30 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except EngineOverloadedError:
         await _abort_all(engine, states)
         raise
-    if stream:
-        return await _stream(request, engine, states[0], text_in_logprobs)
+    return states
+
+
+async def wait_all(engine: Engine, states: list) -> list[GenerateOutput]:
+    """The final outputs; a client that goes away (the handler is cancelled) aborts them."""
     try:
         await asyncio.gather(*(s.done.wait() for s in states))
-    except asyncio.CancelledError:  # the client went away
+    except asyncio.CancelledError:
         await asyncio.shield(_abort_all(engine, states))
         raise
-    outputs = [format_output(engine.snapshot(s), engine, text_in_logprobs) for s in states]
+    return [engine.snapshot(s) for s in states]
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE_KEY]
+    body = await _read_json(request)
+    requests, is_batch, text_in_logprobs = parse_generate(body, engine)
+    stream = _field(body, "stream", bool, False)
+    if stream and is_batch:
+        raise BadRequest("stream is supported for one prompt at a time, not for a batch")
+    states = await submit_all(engine, requests)
+    if stream:
+        return await _stream(request, engine, states[0], text_in_logprobs)
+    outputs = [format_output(out, engine, text_in_logprobs) for out in await wait_all(engine, states)]
     return web.json_response(outputs if is_batch else outputs[0])
 
 
@@ -233,6 +300,8 @@ async def _stream(request: web.Request, engine: Engine, state, text_in_logprobs:
     return response
 
 
+# ----- health and information -----
+
 async def health(request: web.Request) -> web.Response:
     """200 while the engine can serve; 503 naming the reason when its weights are torn."""
     problem = request.app[ENGINE_KEY].weights.serving_error()
@@ -247,27 +316,92 @@ async def health_generate(request: web.Request) -> web.Response:
     return web.Response(status=200 if out.finish_reason and out.finish_reason["type"] != "abort" else 503)
 
 
+def _hf_config(engine: Engine) -> dict[str, Any]:
+    """The checkpoint's config.json (model_type, architectures), or what the model says of itself."""
+    path = Path(engine.model_path or "") / "config.json"
+    if engine.model_path and path.is_file():
+        return json.loads(path.read_text())
+    family = getattr(engine.model.config, "family", None)
+    return {"model_type": family, "architectures": [ARCHITECTURES[family]] if family in ARCHITECTURES else None}
+
+
 async def model_info(request: web.Request) -> web.Response:
+    """SGLang's /model_info keys (whether the model is MoE is in `architectures` / `model_type`)."""
     engine = request.app[ENGINE_KEY]
-    config = engine.model.config
+    hf = _hf_config(engine)
     return web.json_response({
         "model_path": engine.model_path,
+        "served_model_name": served_model_name(engine),
         "tokenizer_path": engine.model_path if engine.tokenizer is not None else None,
         "is_generation": True,
+        "preferred_sampling_params": None,
         "weight_version": engine.weight_version,
-        "model_type": getattr(config, "family", None),
-        "max_context_length": engine.max_seq_len,
-        "vocab_size": engine.vocab_size,
-        "is_moe": engine.is_moe,
+        "load_format": "safetensors",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": hf.get("model_type"),
+        "architectures": hf.get("architectures"),
     })
 
 
 async def server_info(request: web.Request) -> web.Response:
+    """Flat, as SGLang's: ServerArgs fields with this engine's values, then its live state."""
     engine = request.app[ENGINE_KEY]
-    return web.json_response({"engine": "miles-async embedded", "model_path": engine.model_path,
-                              "config": msgspec.to_builtins(engine.config),
-                              "internal_states": [msgspec.to_builtins(engine.stats())]})
+    config = engine.config
+    return web.json_response({
+        "model_path": engine.model_path,
+        "tokenizer_path": engine.model_path if engine.tokenizer is not None else None,
+        "served_model_name": served_model_name(engine),
+        "skip_tokenizer_init": engine.tokenizer is None,
+        "load_format": "safetensors",
+        "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
+        "device": next(engine.model.parameters()).device.type,
+        "context_length": engine.max_seq_len,
+        "page_size": config.block_size,
+        "max_total_tokens": engine.cache.num_blocks * config.block_size,
+        "max_running_requests": config.max_running_requests,
+        "max_queued_requests": config.max_waiting_requests,
+        "max_prefill_tokens": config.max_prefill_tokens,
+        "chunked_prefill_size": config.max_prefill_tokens,
+        "random_seed": config.seed,
+        "enable_deterministic_inference": config.batch_invariant,
+        "tp_size": 1,
+        "dp_size": 1,
+        "load_balance_method": "round_robin",
+        "disaggregation_mode": "null",
+        "weight_version": engine.weight_version,
+        "startup_time": request.app[STARTED_KEY],
+        "internal_states": [msgspec.to_builtins(engine.stats())],
+        "version": f"miles-async {miles_async.__version__}",
+    })
 
+
+async def get_load(request: web.Request) -> web.Response:
+    """The load sglang-router polls: one entry per DP rank (one here), in SGLang's earlier shape."""
+    stats = request.app[ENGINE_KEY].stats()
+    return web.json_response([{"dp_rank": 0, "num_reqs": stats.num_running + stats.num_waiting,
+                               "num_waiting_reqs": stats.num_waiting, "num_tokens": stats.num_used_tokens}])
+
+
+async def v1_loads(request: web.Request) -> web.Response:
+    """SGLang 0.5.23's /v1/loads: its LoadSnapshot's core fields, for the one rank."""
+    engine = request.app[ENGINE_KEY]
+    stats = engine.stats()
+    capacity = engine.cache.num_blocks * engine.config.block_size
+    return web.json_response({
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "version": f"miles-async {miles_async.__version__}",
+        "accelerator": None,
+        "num_accelerators": 0,
+        "loads": [{"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": stats.num_running,
+                   "num_waiting_reqs": stats.num_waiting, "num_used_tokens": stats.num_used_tokens,
+                   "max_total_num_tokens": capacity, "max_running_requests": engine.config.max_running_requests,
+                   "token_usage": stats.num_used_tokens / capacity if capacity else 0.0,
+                   "cache_hit_rate": stats.prefix_cache_hit_rate}],
+    })
+
+
+# ----- control -----
 
 async def flush_cache(request: web.Request) -> web.Response:
     freed = await request.app[ENGINE_KEY].flush_cache()
@@ -275,12 +409,16 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 
 async def abort_request(request: web.Request) -> web.Response:
+    """Every request whose rid starts with `rid` (SGLang's scheduler matches a prefix), or all.
+
+    SGLang takes an empty rid as a prefix of every rid; here that needs `abort_all` said outright.
+    """
     body = await _read_json(request)
     rid = _field(body, "rid", str, "")
     abort_all = _field(body, "abort_all", bool, False)
     if not rid and not abort_all:
-        raise BadRequest("give rid (the request to abort) or abort_all: true")
-    count = await request.app[ENGINE_KEY].abort(rid or None, abort_all=abort_all)
+        raise BadRequest("give rid (the request to abort, or a prefix of its rid) or abort_all: true")
+    count = await request.app[ENGINE_KEY].abort(rid or None, abort_all=abort_all, prefix=True)
     return web.json_response({"success": True, "num_aborted": count})
 
 
@@ -290,42 +428,153 @@ async def pause_generation(request: web.Request) -> web.Response:
     if mode not in PAUSE_MODES:
         raise BadRequest(f"mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
     await request.app[ENGINE_KEY].pause(mode)
-    return web.json_response({"success": True, "message": f"Generation paused (mode {mode})."})
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
 async def continue_generation(request: web.Request) -> web.Response:
     await request.app[ENGINE_KEY].resume()
-    return web.json_response({"success": True, "message": "Generation continued."})
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+# ----- weights -----
+
+def _weight_answer(success: bool, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
+
+
+async def _weight_call(call: Callable[[], Awaitable[web.Response]], what: str) -> web.Response:
+    """Run a weight endpoint; a failure is SGLang's {"success": false, "message"} with HTTP 400."""
+    try:
+        return await call()
+    except (ValueError, TypeError, RuntimeError, OSError, TransportError) as e:
+        log.warning("%s failed: %s: %s", what, type(e).__name__, e)
+        return _weight_answer(False, f"Failed to {what}: {type(e).__name__}: {e}")
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    body = await _read_json(request)
-    model_path = _field(body, "model_path", str)
-    if not model_path:
-        raise BadRequest("model_path (the checkpoint folder to load) is required")
-    weight_version = _field(body, "weight_version", str)
-    if body.get("load_format") not in (None, "auto", "safetensors"):
-        raise BadRequest(f"load_format={body['load_format']!r} is not supported (safetensors folders only)")
-    num_aborted = 0
-    if _field(body, "abort_all_requests", bool, False):
-        num_aborted = await engine.abort(abort_all=True)
-    try:
-        version = await engine.update_weights_from_disk(model_path, weight_version)
-    except Exception as e:  # a boundary: any load failure is the caller's checkpoint, reported in full
-        log.exception("update_weights_from_disk(%s) failed", model_path)
-        return web.json_response({"success": False, "message": f"Failed to update weights: {type(e).__name__}: {e}",
-                                  "num_paused_requests": 0}, status=400)
-    return web.json_response({"success": True, "message": f"Succeeded to update model weights (version {version}).",
-                              "num_paused_requests": 0, "num_aborted_requests": num_aborted,
-                              "weight_version": version})
 
+    async def call() -> web.Response:
+        body = await _read_json(request)
+        model_path = _required(body, "model_path", str)
+        weight_version = _field(body, "weight_version", str)
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            raise BadRequest(f"load_format={body['load_format']!r} is not supported (safetensors folders only)")
+        num_aborted = await engine.abort(abort_all=True) if _field(body, "abort_all_requests", bool, False) else 0
+        version = await engine.update_weights_from_disk(model_path, weight_version)
+        return _weight_answer(True, f"Succeeded to update model weights (version {version}).", num_paused_requests=0,
+                              num_aborted_requests=num_aborted, weight_version=version)
+
+    return await _weight_call(call, "update weights")
+
+
+async def update_weight_version(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+
+    async def call() -> web.Response:
+        body = await _read_json(request)
+        new_version = _required(body, "new_version", str)
+        if _field(body, "abort_all_requests", bool, True):  # SGLang's default
+            await engine.abort(abort_all=True)
+        label = await engine.update_weight_version(new_version)
+        return _weight_answer(True, f"Weight version updated to {label}", new_version=label)
+
+    return await _weight_call(call, "update weight version")
+
+
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    receiver = request.app[RECEIVER_KEY]
+
+    async def call() -> web.Response:
+        body = await _read_json(request)
+        group_name = _field(body, "group_name", str, "weight_update_group")
+        await receiver.init_group(_required(body, "master_address", str), _required(body, "master_port", int),
+                                  _required(body, "rank_offset", int), _required(body, "world_size", int),
+                                  group_name, _field(body, "backend", str, "nccl"))
+        return _weight_answer(True, f"Joined weight update group {group_name!r}.")
+
+    return await _weight_call(call, "init weights update group")
+
+
+async def destroy_weights_update_group(request: web.Request) -> web.Response:
+    receiver = request.app[RECEIVER_KEY]
+
+    async def call() -> web.Response:
+        body = await _read_json(request, optional=True)
+        group_name = _field(body, "group_name", str, "weight_update_group")
+        await receiver.destroy_group(group_name)
+        return _weight_answer(True, f"Destroyed weight update group {group_name!r}.")
+
+    return await _weight_call(call, "destroy weights update group")
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    engine, receiver = request.app[ENGINE_KEY], request.app[RECEIVER_KEY]
+
+    async def call() -> web.Response:
+        body = await _read_json(request)
+        names, dtypes, shapes = (_required(body, key, list) for key in ("names", "dtypes", "shapes"))
+        if not all(isinstance(n, str) for n in names) or not all(isinstance(d, str) for d in dtypes):
+            raise BadRequest("names and dtypes must be lists of strings")
+        if not all(isinstance(s, list) and all(type(d) is int for d in s) for s in shapes):
+            raise BadRequest("shapes must be a list of lists of integers")
+        if body.get("load_format") not in (None, "auto"):
+            raise BadRequest(f"load_format={body['load_format']!r} is not supported (plain tensors only)")
+        if _field(body, "abort_all_requests", bool, False):
+            await engine.abort(abort_all=True)
+        label = await receiver.receive(names, dtypes, shapes, _field(body, "group_name", str, "weight_update_group"),
+                                       _field(body, "weight_version", str))
+        if label is None:
+            return _weight_answer(True, f"Received {len(names)} tensors; the update goes live when complete.")
+        return _weight_answer(True, f"Succeeded to update model weights (version {label}).", weight_version=label)
+
+    return await _weight_call(call, "update weights from distributed")
+
+
+async def begin_weight_update(request: web.Request) -> web.Response:
+    await request.app[RECEIVER_KEY].begin_session()
+    return _weight_answer(True, "Weight update session opened: it goes live at /end_weight_update.")
+
+
+async def end_weight_update(request: web.Request) -> web.Response:
+    receiver = request.app[RECEIVER_KEY]
+
+    async def call() -> web.Response:
+        label = await receiver.end_session()
+        return _weight_answer(True, f"Weight update session closed (version {label}).", weight_version=label)
+
+    return await _weight_call(call, "end weight update")
+
+
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    """Refused. SGLang's body is `serialized_named_tensors`: pickles (its MultiprocessingSerializer)
+    of tensors shared by handle (CUDA IPC, or file descriptors) from a trainer colocated with the
+    engine's scheduler. The embedded engine serves from another process than any trainer, so the
+    handles cannot be opened here, and unpickling a request body would run whatever it holds.
+    The colocated handoff is in-process instead (`Engine.adopt_weights`, the engine actor's)."""
+    return _weight_answer(False, "update_weights_from_tensor is not supported by the embedded engine: SGLang's "
+                          "serialized_named_tensors are pickled tensor handles for a colocated trainer, which this "
+                          "server can neither open nor safely unpickle; use /update_weights_from_distributed or "
+                          "/update_weights_from_disk")
+
+
+async def memory_occupation(request: web.Request) -> web.Response:
+    """/release_memory_occupation and /resume_memory_occupation: nothing here is offloaded, so both
+    are no-ops that succeed (SGLang answers them with an empty JSON body too)."""
+    await _read_json(request, optional=True)  # a malformed body is still a 400
+    return web.json_response(None)
+
+
+# ----- the application -----
 
 @web.middleware
 async def _errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except BadRequest as e:
+        if request.path.startswith("/v1/"):
+            return web.json_response({"object": "error", "message": str(e), "type": "BadRequestError", "param": None,
+                                      "code": 400}, status=400)
         return _json_error(400, str(e))
     except (EngineOverloadedError, WeightsUnavailableError) as e:
         return _json_error(503, str(e))
@@ -333,28 +582,45 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
 
 def create_app(engine: Engine) -> web.Application:
     """The aiohttp application; it starts the engine with itself and stops it on cleanup."""
+    from miles_async.engine import openai  # it builds on this module's helpers
+
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
+    app[RECEIVER_KEY] = receiver = GroupReceiver(engine)
+    app[STARTED_KEY] = time.time()
 
     async def start_engine(app: web.Application) -> None:
         await engine.start()
 
     async def stop_engine(app: web.Application) -> None:
+        await receiver.close()
         await engine.stop()
 
     app.on_startup.append(start_engine)
     app.on_cleanup.append(stop_engine)
-    app.router.add_post("/generate", generate)
-    app.router.add_get("/health", health)
-    app.router.add_get("/health_generate", health_generate)
-    app.router.add_get("/get_model_info", model_info)
-    app.router.add_get("/model_info", model_info)
-    app.router.add_get("/get_server_info", server_info)
-    app.router.add_route("*", "/flush_cache", flush_cache)
-    app.router.add_post("/abort_request", abort_request)
-    app.router.add_post("/pause_generation", pause_generation)
-    app.router.add_post("/continue_generation", continue_generation)
-    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    routes = app.router
+    routes.add_post("/generate", generate)
+    routes.add_get("/health", health)
+    routes.add_get("/health_generate", health_generate)
+    for path, handler in (("/model_info", model_info), ("/get_model_info", model_info),
+                          ("/server_info", server_info), ("/get_server_info", server_info),
+                          ("/get_load", get_load), ("/v1/loads", v1_loads)):
+        routes.add_get(path, handler)
+    routes.add_route("*", "/flush_cache", flush_cache)
+    for path, handler in (("/abort_request", abort_request), ("/pause_generation", pause_generation),
+                          ("/continue_generation", continue_generation),
+                          ("/update_weights_from_disk", update_weights_from_disk),
+                          ("/update_weight_version", update_weight_version),
+                          ("/init_weights_update_group", init_weights_update_group),
+                          ("/destroy_weights_update_group", destroy_weights_update_group),
+                          ("/update_weights_from_distributed", update_weights_from_distributed),
+                          ("/begin_weight_update", begin_weight_update), ("/end_weight_update", end_weight_update),
+                          ("/update_weights_from_tensor", update_weights_from_tensor)):
+        routes.add_post(path, handler)
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        routes.add_get(path, memory_occupation)
+        routes.add_post(path, memory_occupation)
+    openai.add_routes(app)
     return app
 
 

@@ -26,6 +26,10 @@ model's parameters are views into it, and another process on the node (the pushe
 whether that write completed; a live segment that someone writes outside an update makes the
 engine torn too.
 
+Broadcast (`GroupReceiver`, SGLang's distributed endpoints): the engine joins a torch.distributed
+group whose rank 0 broadcasts the tensors, bucket by bucket, into `target`; the update commits when
+every weight has arrived (or when the caller closes its begin/end session).
+
 Adopting (`adopt`, the colocated handoff): a tensor of the engine's dtype, device and shape is
 taken as it is, no copy; the previous tensors stay untouched until `commit`, so adoption is
 double-buffered at no extra memory.
@@ -33,13 +37,21 @@ double-buffered at no extra memory.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
 import torch
 
+from miles_async.engine import compute
 from miles_async.transport.buckets import NamedTensors, as_items
 from miles_async.transport.errors import TransportError
 from miles_async.transport.shm import SharedWeights
 from miles_async.transport.verify import checksums, compare, random_fill
+
+if TYPE_CHECKING:
+    from miles_async.engine.core import Engine
+    from miles_async.transport.groups import WeightGroup
 
 
 class StaleVersionError(ValueError):
@@ -351,3 +363,104 @@ class WeightStore:
                     f"tensors, e.g. {', '.join(missing[:4])}")
         return None
 
+
+class GroupReceiver:
+    """SGLang's distributed weight path into one engine (`/init_weights_update_group`,
+    `/update_weights_from_distributed`, `/destroy_weights_update_group`, `/begin_weight_update`,
+    `/end_weight_update`).
+
+    A group is a standalone torch.distributed group (transport.groups.WeightGroup, keyed by its
+    name in the store) whose rank 0 is the pusher; the engine is rank `rank_offset` (one rank: no
+    tensor parallelism). Each `receive` takes the tensors the pusher broadcasts, one per name, in
+    order, into the update target (WeightStore.begin on the first bucket), so an update is
+    atomic however many buckets it takes: outside a session it commits when every weight has
+    arrived; inside `begin_session` .. `end_session` it commits at the end (which fails, keeping
+    the previous version on a double-buffered engine, if weights are missing).
+    """
+
+    def __init__(self, engine: Engine, timeout_s: float = 300.0) -> None:
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self.groups: dict[str, WeightGroup] = {}
+        self.in_session = False
+
+    async def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                         group_name: str, backend: str) -> None:
+        from miles_async.transport.groups import WeightGroup
+
+        if group_name in self.groups:
+            raise ValueError(f"weight update group {group_name!r} exists already; destroy it first")
+        if not 0 < rank_offset < world_size:
+            raise ValueError(f"rank_offset={rank_offset} must be in [1, world_size={world_size}): rank 0 is the pusher")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs CUDA and this engine has none: use backend 'gloo'")
+        self.groups[group_name] = await asyncio.to_thread(
+            WeightGroup.join, master_address, master_port, rank_offset, world_size, backend=backend,
+            timeout_s=self.timeout_s, name=group_name)
+
+    async def destroy_group(self, group_name: str) -> None:
+        group = self.groups.pop(group_name, None)
+        if group is None:
+            raise ValueError(f"no weight update group {group_name!r} (have: {', '.join(self.groups) or 'none'})")
+        await asyncio.to_thread(group.close)
+
+    async def begin_session(self) -> None:
+        self.in_session = True
+
+    async def end_session(self) -> str:
+        """Commit the session's update; return the label now served."""
+        self.in_session = False
+        if self.engine.weights.updating is None:
+            return self.engine.weight_version  # nothing was sent
+        return await self.engine.commit_weight_update()
+
+    async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+                      weight_version: str | None) -> str | None:
+        """Receive one bucket; return the label now served if it completed the update, else None."""
+        group = self.groups.get(group_name)
+        if group is None:
+            raise ValueError(f"no weight update group {group_name!r}: POST /init_weights_update_group first")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
+        kinds = [_dtype(d) for d in dtypes]
+        device = "cuda" if group.backend == "nccl" else "cpu"
+        # Receive first, whatever the names say: the pusher is blocked in its broadcasts until then.
+        tensors = await asyncio.to_thread(self._receive, group, kinds, shapes, device)
+        store = self.engine.weights
+        version, label = parse_version(weight_version, store.version)
+        items = list(zip(names, tensors))
+        try:
+            store.check(items)  # before begin() tears anything
+            if store.updating is None:
+                await self.engine.begin_weight_update(version, label)
+            elif weight_version is not None and version != store.updating:
+                store.retarget(version, label)
+            await compute.run(store.write, items)
+        except BaseException as e:  # a bad bucket ends the update: the pusher starts over
+            await self.engine.abort_weight_update(f"{type(e).__name__}: {e}")
+            raise
+        if self.in_session or store.num_missing:
+            return None
+        return await self.engine.commit_weight_update()
+
+    @staticmethod
+    def _receive(group: WeightGroup, kinds: list[torch.dtype], shapes: list[list[int]],
+                 device: str) -> list[torch.Tensor]:
+        tensors = []
+        for kind, shape in zip(kinds, shapes):
+            tensor = torch.empty(shape, dtype=kind, device=device)
+            group.broadcast(tensor, src=0)
+            tensors.append(tensor)
+        return tensors
+
+    async def close(self) -> None:
+        for name in list(self.groups):
+            await self.destroy_group(name)
+
+
+def _dtype(name: str) -> torch.dtype:
+    """SGLang's dtype text ("bfloat16", or "torch.bfloat16") -> the torch dtype."""
+    kind = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(kind, torch.dtype):
+        raise ValueError(f"dtype {name!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")  # noqa: TRY004 - a bad value (HTTP 400)
+    return kind

@@ -326,10 +326,11 @@ def test_weight_update_from_disk_changes_outputs_and_bumps_the_version(model_dir
     assert after["output_ids"] == greedy_loop(new_model, prompt, 10) != before["output_ids"]
 
 
-def covering_spans(out: dict) -> list[tuple[int, int, int]]:
-    """meta_info.weight_versions as (version, start, end), checked to cover every output position
-    once, in order: contiguous spans from 0 to the number of output tokens, none empty."""
+def covering_spans(out: dict) -> list[tuple[str, int, int]]:
+    """meta_info.weight_versions as (version label, start, end), checked to cover every output
+    position once, in order: contiguous spans from 0 to the number of output tokens, none empty."""
     spans = [(s["version"], s["start"], s["end"]) for s in out["meta_info"]["weight_versions"]]
+    assert all(isinstance(label, str) for label, _, _ in spans), spans  # SGLang's labels are text
     bounds = [0] + [end for _, _, end in spans]
     assert [start for _, start, _ in spans] == bounds[:-1], spans  # contiguous, from position 0
     assert bounds[-1] == len(out["output_ids"]) and all(start < end for _, start, end in spans), spans
@@ -360,13 +361,13 @@ def test_generate_reports_the_weight_version_of_every_output_token_as_spans(mode
             return before, chunks, boundary, after
 
     before, chunks, k, after = run(scenario())
-    assert covering_spans(before) == [(0, 0, 6)] and covering_spans(after) == [(1, 0, 6)]
+    assert covering_spans(before) == [("0", 0, 6)] and covering_spans(after) == [("1", 0, 6)]
     final = chunks[-1]
     assert final["meta_info"]["finish_reason"] == {"type": "length", "length": num_tokens} and 3 <= k < num_tokens
-    assert covering_spans(final) == [(0, 0, k), (1, k, num_tokens)] and final["meta_info"]["weight_version"] == "1"
+    assert covering_spans(final) == [("0", 0, k), ("1", k, num_tokens)] and final["meta_info"]["weight_version"] == "1"
     for chunk in chunks:  # every partial output too; the tokens before the update stay version 0's
         spans = covering_spans(chunk)
-        assert spans[0][0] == 0 and (len(chunk["output_ids"]) <= k) == (spans == [(0, 0, len(chunk["output_ids"]))])
+        assert spans[0][0] == "0" and (len(chunk["output_ids"]) <= k) == (spans == [("0", 0, len(chunk["output_ids"]))])
     # The rollout side's reader takes them as they are (the label "1" agrees).
     assert parse_output(final, version=0).weight_versions == [VersionSpan(0, 0, k), VersionSpan(1, k, num_tokens)]
 
@@ -457,6 +458,9 @@ BAD_REQUESTS = [
     (json.dumps({"input_ids": [1], "stream": "yes"}).encode(), "stream"),
     (json.dumps({"input_ids": [1], "return_routed_experts": True}).encode(), "mixture-of-experts"),
     (json.dumps({"input_ids": [1], "image_data": "cat.png"}).encode(), "image_data"),
+    (json.dumps({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 3}).encode(), "logprob_start_len"),
+    (json.dumps({"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": "2"}).encode(), "top_logprobs_num"),
+    (json.dumps({"input_ids": [[1], [2]], "logprob_start_len": [0]}).encode(), "logprob_start_len"),
 ]
 
 
@@ -544,3 +548,220 @@ def test_an_api_key_is_required_when_set(model_dir):
                 assert len(out["output_ids"]) == 2
 
     run(main())
+
+
+def test_prompt_log_probs_and_top_k_over_http_in_sglangs_shape(model_dir, model):
+    tokenizer = load_tokenizer(model_dir)
+    batch = prompts(2, start_len=12)
+
+    async def scenario():
+        async with served(model_dir) as client:
+            return await client.generate(input_ids=batch, sampling_params={**GREEDY, "max_new_tokens": 3},
+                                         return_logprob=True, logprob_start_len=[4, 0], top_logprobs_num=2,
+                                         return_text_in_logprobs=True)
+
+    outs = run(scenario())
+    for prompt, start, out in zip(batch, (4, 0), outs):
+        meta = out["meta_info"]
+        with torch.inference_mode():
+            logp_TV = torch.log_softmax(model(torch.tensor([prompt]))[0], dim=-1)
+        inputs = meta["input_token_logprobs"]
+        assert [t for _, t, _ in inputs] == prompt[start:] and inputs[0][0] is None
+        assert [lp for lp, _, _ in inputs[1:]] == pytest.approx(
+            [float(logp_TV[p - 1, prompt[p]]) for p in range(start + 1, len(prompt))], abs=1e-4)
+        assert all(text == tokenizer.decode([t]) for _, t, text in inputs)
+        tops = meta["input_top_logprobs"]
+        assert tops[0] is None and all(len(top) == 2 and top[0][0] >= top[1][0] for top in tops[1:])
+        assert [top[0][1] for top in meta["output_top_logprobs"]] == out["output_ids"]  # greedy: the most likely
+
+
+def test_abort_request_matches_a_rid_prefix_and_a_batch_rid_is_a_prefix(model_dir):
+    async def scenario():
+        async with served(model_dir) as client:
+            await client.pause("in_place")  # everything stays in flight until aborted
+            batch = asyncio.create_task(client.generate(input_ids=[[5, 6], [7, 8]], rid="grp",
+                                                        sampling_params={**GREEDY, "max_new_tokens": 50}))
+            other = asyncio.create_task(client.generate(input_ids=[5, 6], rid="solo",
+                                                        sampling_params={**GREEDY, "max_new_tokens": 5}))
+            while (await client.server_info())["internal_states"][0]["num_waiting"] < 3:
+                await asyncio.sleep(0.01)
+            await client.abort("grp")  # "grp_0" and "grp_1"
+            aborted = await batch
+            await client.resume()
+            return aborted, await other
+
+    aborted, other = run(scenario())
+    assert [o["meta_info"]["id"] for o in aborted] == ["grp_0", "grp_1"]
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in aborted)
+    assert other["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_information_endpoints_have_sglangs_shapes(model_dir):
+    async def scenario():
+        async with served(model_dir) as client, aiohttp.ClientSession() as http:
+            answers = {}
+            for path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info", "/get_load",
+                         "/v1/loads", "/v1/models"):
+                async with http.get(client.base_url + path) as response:
+                    answers[path] = (response.status, await response.json())
+            return answers
+
+    answers = run(scenario())
+    assert all(status == 200 for status, _ in answers.values())
+    info = answers["/model_info"][1]
+    assert info == answers["/get_model_info"][1] and "is_moe" not in info
+    assert info["model_type"] == "qwen3" and info["architectures"] == ["Qwen3ForCausalLM"]
+    server = answers["/server_info"][1]
+    assert server.keys() == answers["/get_server_info"][1].keys()
+    assert server["model_path"] == str(model_dir) and server["dp_size"] == 1 and server["page_size"] == 16
+    assert server["internal_states"][0]["num_running"] == 0 and not isinstance(server.get("config"), dict)
+    assert answers["/get_load"][1] == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+    assert answers["/v1/loads"][1]["loads"][0]["num_running_reqs"] == 0
+    assert answers["/v1/models"][1]["data"][0]["id"] == str(model_dir)
+
+
+def test_weight_version_relabels_and_the_client_reads_labels_back(model_dir):
+    prompt = prompts(1, start_len=8)[0]
+
+    async def scenario():
+        async with served(model_dir) as client:
+            named = await client.update_weight_version("step-7")
+            under_name = await client.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 3})
+            numbered = await client.update_weight_version("5")
+            with pytest.raises(EngineHTTPError) as older:
+                await client.update_weight_version("4")
+            under_number = await client.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 3})
+            return named, under_name, numbered, older.value, under_number
+
+    named, under_name, numbered, older, under_number = run(scenario())
+    assert named["success"] and named["new_version"] == "step-7" and numbered["new_version"] == "5"
+    assert older.status == 400 and "older" in older.message
+    assert covering_spans(under_name) == [("step-7", 0, 3)] and covering_spans(under_number) == [("5", 0, 3)]
+    assert parse_output(under_name, version=9).weight_versions == [VersionSpan(9, 0, 3)]  # a name: the caller's
+    assert parse_output(under_number, version=9).weight_versions == [VersionSpan(5, 0, 3)]
+
+
+def _broadcast_all(group, tensors) -> None:
+    for tensor in tensors:
+        group.broadcast(tensor.contiguous(), src=0)
+
+
+def test_weights_over_a_real_gloo_group_from_rank_0_in_buckets(model_dir, tmp_path):
+    """The caller is rank 0 of a torch.distributed (gloo) group the engine joins; each bucket's
+    tensors are broadcast while its /update_weights_from_distributed call waits. Without a session
+    the update goes live when its last weight arrives; with /begin_weight_update, at the end."""
+    from miles_async.transport.groups import WeightGroup
+
+    new_dir = init_model("qwen3", "tiny", tmp_path / "new", seed=1, init_std=LIVELY_STD)
+    newer_dir = init_model("qwen3", "tiny", tmp_path / "newer", seed=2, init_std=LIVELY_STD)
+    prompt = prompts(1, start_len=8)[0]
+    params = {**GREEDY, "max_new_tokens": 6}
+
+    async def push(client, group, state, label):
+        items = list(state.items())
+        buckets = [items[: len(items) // 2], items[len(items) // 2:]]
+        answers = []
+        for bucket in buckets:
+            names = [n for n, _ in bucket]
+            call = client.update_weights_from_distributed(
+                names, [str(t.dtype).removeprefix("torch.") for _, t in bucket], [list(t.shape) for _, t in bucket],
+                group_name="g", weight_version=label)
+            answer, _ = await asyncio.gather(call, asyncio.to_thread(_broadcast_all, group, [t for _, t in bucket]))
+            answers.append(answer)
+            if len(answers) == 1:  # half-way: still the previous weights, and no new label
+                answers.append((await client.model_info())["weight_version"])
+        return answers
+
+    async def scenario():
+        async with served(model_dir, double_buffer=True) as client:
+            with pytest.raises(EngineHTTPError, match="init_weights_update_group"):
+                await client.update_weights_from_distributed(["x"], ["float32"], [[1]], group_name="g")
+            store = WeightGroup.open_store("127.0.0.1", 2, 30.0)
+            joined, group = await asyncio.gather(
+                client.init_weights_update_group("127.0.0.1", store.port, 1, 2, group_name="g", backend="gloo"),
+                asyncio.to_thread(WeightGroup.join, "127.0.0.1", store.port, 0, 2, store=store, name="g"))
+            first = await push(client, group, load_pretrained(new_dir).state_dict(), "3")
+            after_first = await client.generate(input_ids=prompt, sampling_params=params)
+            opened = await client.begin_weight_update()
+            second = await push(client, group, load_pretrained(newer_dir).state_dict(), None)
+            before_end = await client.generate(input_ids=prompt, sampling_params=params)
+            ended = await client.end_weight_update()
+            after_second = await client.generate(input_ids=prompt, sampling_params=params)
+            destroyed = await client.destroy_weights_update_group("g")
+            group.close()
+            return joined, first, after_first, opened, second, before_end, ended, after_second, destroyed
+
+    joined, first, after_first, opened, second, before_end, ended, after_second, destroyed = run(scenario())
+    assert joined["success"] and opened["success"] and destroyed["success"]
+    assert first[0]["success"] and "weight_version" not in first[0] and first[1] == "0"
+    assert first[2]["weight_version"] == "3"
+    assert after_first["output_ids"] == greedy_loop(load_pretrained(new_dir), prompt, 6)
+    assert covering_spans(after_first) == [("3", 0, 6)]
+    assert "weight_version" not in second[2] and before_end["output_ids"] == after_first["output_ids"]
+    assert ended["weight_version"] == "4"  # no label given: the next integer
+    assert after_second["output_ids"] == greedy_loop(load_pretrained(newer_dir), prompt, 6)
+
+
+def test_tensor_updates_are_refused_and_memory_endpoints_are_no_ops(model_dir):
+    async def scenario():
+        async with served(model_dir) as client, aiohttp.ClientSession() as http:
+            answers = []
+            for method, path, body in (("POST", "/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="]}),
+                                       ("POST", "/release_memory_occupation", {"tags": ["weights"]}),
+                                       ("GET", "/resume_memory_occupation", None),
+                                       ("POST", "/destroy_weights_update_group", {"group_name": "none"})):
+                async with http.request(method, client.base_url + path, json=body) as response:
+                    answers.append((response.status, await response.json()))
+            ok = await client.generate(input_ids=[1, 2, 3], sampling_params={**GREEDY, "max_new_tokens": 2})
+            return answers, ok
+
+    answers, ok = run(scenario())
+    (tensor_status, tensor), release, resume, (destroy_status, destroy) = answers
+    assert tensor_status == 400 and not tensor["success"] and "pickled" in tensor["message"]
+    assert release == (200, None) and resume == (200, None)
+    assert destroy_status == 400 and "no weight update group 'none'" in destroy["message"]
+    assert ok["meta_info"]["completion_tokens"] == 2
+
+
+def test_openai_completions_with_token_prompts_echo_and_logprobs(model_dir, model):
+    tokenizer = load_tokenizer(model_dir)
+    prompt = prompts(1, start_len=6)[0]
+
+    async def scenario():
+        async with served(model_dir) as client, aiohttp.ClientSession() as http:
+            async def post(path, body):
+                async with http.post(client.base_url + path, json=body) as response:
+                    return response.status, await response.json()
+
+            echoed = await post("/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                                    "ignore_eos": True, "echo": True, "logprobs": 2})
+            texts = await post("/v1/completions", {"prompt": ["def add", "x ="], "max_tokens": 3, "temperature": 0})
+            chat = await post("/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "12 + 34 ="}], "max_tokens": 5, "temperature": 0,
+                "logprobs": True, "top_logprobs": 2})
+            bad = [await post("/v1/completions", body) for body in (
+                {"prompt": [1, 2], "n": 2}, {"prompt": [1, 2], "stream": True}, {"prompt": 3},
+                {"prompt": [1, 2], "max_tokens": -1})]
+            bad.append(await post("/v1/chat/completions", {"messages": "hi"}))
+            return echoed, texts, chat, bad
+
+    (status, echoed), (_, texts), (_, chat), bad = run(scenario())
+    choice = echoed["choices"][0]
+    output = greedy_loop(model, prompt, 4)
+    assert status == 200 and echoed["object"] == "text_completion" and choice["finish_reason"] == "length"
+    assert choice["text"] == tokenizer.decode(prompt + output)
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [tokenizer.decode([t]) for t in prompt + output]
+    assert logprobs["token_logprobs"][0] is None and len(logprobs["token_logprobs"]) == len(prompt) + 4
+    assert logprobs["token_logprobs"][len(prompt):] == pytest.approx(log_probs_of(model, prompt, output), abs=1e-4)
+    assert logprobs["text_offset"][:2] == [0, len(logprobs["tokens"][0])] and logprobs["top_logprobs"][0] is None
+    assert all(len(top) <= 2 for top in logprobs["top_logprobs"][1:])
+    assert echoed["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 4, "total_tokens": len(prompt) + 4}
+    assert [c["index"] for c in texts["choices"]] == [0, 1] and texts["usage"]["completion_tokens"] <= 6
+    message = chat["choices"][0]["message"]
+    assert chat["object"] == "chat.completion" and message["role"] == "assistant" and isinstance(message["content"], str)
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"] and all(len(c["top_logprobs"]) == 2 for c in content)
+    expected = ["n", "stream", "prompt", "max_tokens", "messages"]
+    for (status, body), field in zip(bad, expected):
+        assert status == 400 and field in body["message"] and body["object"] == "error", (field, body)

@@ -121,3 +121,11 @@ def test_parse_output_of_an_aborted_or_empty_answer():
     unfinished = {"output_ids": [5], "meta_info": {"finish_reason": None}}  # no logprobs asked, no label
     assert parse_output(unfinished, version=2) == EngineOutput(
         output_ids=[5], output_logprobs=[], finish_reason="abort", weight_versions=[VersionSpan(2, 0, 1)])
+
+
+def test_parse_output_reads_sglangs_text_labels_and_drops_empty_spans():
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "step-9", "start": 2, "end": 4}]
+    assert parse_output(sglang_json(4, weight_version="step-9", weight_versions=spans), version=8).weight_versions == [
+        VersionSpan(3, 0, 2), VersionSpan(8, 2, 4)]  # a name is not a version: the one the request was sent at
+    before_any = sglang_json(0, weight_versions=[{"version": "3", "start": 0, "end": 0}])
+    assert parse_output(before_any, version=3).weight_versions == []
