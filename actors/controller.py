@@ -57,7 +57,15 @@ import msgspec
 
 from miles_async.actors.buffer import Batch, BufferState, BufferStats, GetBatch
 from miles_async.actors.evaluation import Evaluator, as_hf_folder
-from miles_async.actors.fleet import SHARED_FILE, Fleet, LocalSpawner, Node, RunFolder, RunSetupError
+from miles_async.actors.fleet import (
+    SHARED_FILE,
+    Fleet,
+    LocalSpawner,
+    Node,
+    RunFolder,
+    RunSetupError,
+    resolve_transport,
+)
 from miles_async.actors.liveness import Liveness
 from miles_async.actors.recipe import RunConfig, dump_recipe
 from miles_async.actors.scheduler import GetSchedulerState, TrainerStepped, WeightVersionChanged
@@ -477,7 +485,7 @@ class Controller:
             target_in_flight=s.target_in_flight, max_in_flight_per_engine=s.max_in_flight_per_engine,
             refill=s.refill, partial=r.partial, capacity_groups=b.capacity_groups, filter=b.filter,
             on_stale=b.on_stale, on_abort=b.on_abort, eval_mode=cfg.eval.mode, eval_every=cfg.eval.every,
-            num_steps=loop.num_steps, transport=cfg.weights.transport))
+            num_steps=loop.num_steps, transport=resolve_transport(cfg)))
 
     # ----- stopping -----
 

@@ -27,6 +27,7 @@ import msgspec
 
 from miles_async.actors.buffer import Buffer
 from miles_async.actors.engine import EngineActor, EngineStatus
+from miles_async.actors.external import ExternalEngineActor
 from miles_async.actors.rollout import RolloutWorker
 from miles_async.actors.scheduler import AddEngine, RefillScheduler, SampleSeen
 from miles_async.actors.sessions import AddSessionEngine, SessionHost, SessionsUrl
@@ -212,16 +213,21 @@ class Fleet:
 
     def engine_config(self) -> Any:
         """The recipe's `[rollout.engine]`, its weights in shared memory for the shm transport."""
-        return msgspec.structs.replace(self.config.rollout.engine, shared_weights=self.config.weights.transport == "shm")
+        return msgspec.structs.replace(self.config.rollout.engine, shared_weights=self.transport == "shm")
 
     def sync_config(self) -> WeightSyncConfig:
         """The recipe's `[weights]` with what the run sets: the model family, node 0's address, the
-        pause mode of `rollout.partial` and the run folder's delta folder."""
+        pause mode of `rollout.partial`, the run folder's delta folder, and the transport of "auto"
+        (`transport_for`)."""
         cfg = self.config
         return msgspec.structs.replace(
             cfg.weights, family=self.folder.family, host=self.nodes[0].host,
             pause_mode="in_place" if cfg.rollout.partial == "continue" else "abort",
-            delta_dir=str(self.folder.run_dir / "deltas"))
+            delta_dir=str(self.folder.run_dir / "deltas"), transport=self.transport)
+
+    @property
+    def transport(self) -> str:
+        return resolve_transport(self.config)
 
     # ----- starting -----
 
@@ -252,10 +258,17 @@ class Fleet:
             self.engine_urls[ref.name] = await _engine_url(ref)
         sync = self.sync_config()
         self.pusher = await self.system.spawn(WeightPusher, "pusher", args=([e.name for e in engines], sync))
-        if self.eval_engine is not None:
-            self.eval_pusher = await self.system.spawn(WeightPusher, "eval-pusher", args=(["eval-engine"], sync))
+        if self.eval_engine is not None:  # its own folder: the two pushers write the same versions
+            eval_sync = msgspec.structs.replace(sync, delta_dir=str(self.folder.run_dir / "deltas-eval"))
+            self.eval_pusher = await self.system.spawn(WeightPusher, "eval-pusher", args=(["eval-engine"], eval_sync))
 
     async def _spawn_engine(self, name: str, node: Node) -> ActorRef:
+        rollout = self.config.rollout
+        if rollout.backend != "embedded":  # the actor starts the server (actors/external.py)
+            return await node.spawner.spawn(
+                ExternalEngineActor, name, args=(rollout.backend, str(self.folder.model_dir), rollout.server),
+                kwargs={"http_host": node.host, "threads": rollout.engine_threads, "api_key": self.api_key,
+                        "log_dir": str(self.folder.run_dir)}, env=self._gpu_env(node))
         return await node.spawner.spawn(EngineActor, name, args=(str(self.folder.model_dir), self.engine_config()),
                                         kwargs={"http_host": node.host, "http_port": 0,
                                                 "num_threads": self.config.rollout.engine_threads,
@@ -339,15 +352,15 @@ class Fleet:
         authentication (warned: they belong on a trusted network)."""
         cfg = self.config
         remote = [n for n in engine_nodes if n.rank != 0]
-        if cfg.weights.transport == "disk_delta" and remote:
+        if self.transport in ("disk", "disk_delta") and remote:
             blind = [n.rank for n in remote if not await n.spawner.shares(self.folder.run_dir / SHARED_FILE)]
             if blind:
-                raise RunSetupError(f'weights.transport = "disk_delta" writes deltas into the run folder '
+                raise RunSetupError(f'weights.transport = "{self.transport}" writes weights into the run folder '
                                     f"({self.folder.run_dir}) for the engines to read, but node(s) {blind} do not see "
                                     'it: put it on a filesystem they mount at the same path, or use "stream" (no '
                                     "shared folder needed)")
         trainer_nodes = set(cfg.placement.trainer_nodes(cfg.trainer.world_size))
-        if len(trainer_nodes) > 1 or (cfg.weights.transport == "broadcast" and remote):
+        if len(trainer_nodes) > 1 or (self.transport == "broadcast" and remote):
             what = "trainer ranks on several nodes" if len(trainer_nodes) > 1 else "weights by broadcast to other nodes"
             log.warning("%s: their torch.distributed connections (gloo/NCCL and their TCPStore) have no "
                         "authentication, as torchrun's: keep these nodes on a trusted network%s", what,
@@ -411,6 +424,16 @@ class Fleet:
                     log.debug("stopping %s: %s", ref.name, e)
         if self.trainer is not None:
             await self.trainer.stop()
+
+
+def resolve_transport(config: RunConfig) -> str:
+    """`weights.transport`, "auto" resolved: "disk" for external engines (they reload files), "shm"
+    for embedded engines all on node 0, "stream" when some are elsewhere."""
+    if config.weights.transport != "auto":
+        return config.weights.transport
+    if config.rollout.backend != "embedded":
+        return "disk"
+    return "stream" if any(n != 0 for n in config.placement.engines) else "shm"
 
 
 async def _engine_url(ref: ActorRef) -> str:

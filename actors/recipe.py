@@ -122,16 +122,23 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise ValueError(f"task.plugin {self.task.plugin} is {'multi' if multi_turn else 'single'}-turn: "
                              + ("it needs [agent] agent and environment (e.g. miles_async.tasks.calculator:agent and "
                                 ":CalculatorEnv)" if multi_turn else "[agent] goes only with a multi-turn task"))
-        if self.rollout.backend != "embedded":
-            raise ValueError(f"rollout.backend = {self.rollout.backend!r}: a run starts only embedded engines so far "
-                             "(engine/backend.py speaks to SGLang and vLLM servers; starting them for a run is "
-                             "issue 16's work in progress)")
+        backend, transport = self.rollout.backend, self.weights.transport
+        if backend == "sglang":
+            raise ValueError('rollout.backend = "sglang": a run does not start or update SGLang servers yet (SGLang '
+                             "needs a CUDA GPU; engine/sglang.py starts one and engine/backend.py speaks to it): use "
+                             '"embedded" (SGLang\'s API, on this CPU) or "vllm"')
+        if backend != "embedded" and transport not in ("auto", "disk"):
+            raise ValueError(f'weights.transport = "{transport}" cannot reach a {backend} server: its weights are '
+                             'reloaded from files the run writes (use "disk", or "auto" to let the run pick)')
+        if backend != "embedded" and self.rollout.server.url and self.rollout.num_engines != 1:
+            raise ValueError(f"rollout.server.url attaches to one running server, but rollout.num_engines is "
+                             f"{self.rollout.num_engines}")
         if self.weights.transport == "colocated":
             raise ValueError('weights.transport = "colocated" hands the weights over inside one process, but a run '
                              "puts every engine in a process of its own: use \"shm\" (the engines' weights in shared "
                              'memory, on one node), "broadcast" or "stream"')
         remote_engines = any(n != 0 for n in self.placement.engines)
-        if remote_engines and self.weights.transport == "shm":
+        if remote_engines and self.weights.transport == "shm":  # "auto" picks "stream" there
             raise ValueError('weights.transport = "shm" needs the engines on the controller\'s node; with '
                              'placement.engines on other nodes use "stream" (authenticated), "broadcast" or '
                              '"disk_delta" (a shared filesystem)')

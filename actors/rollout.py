@@ -39,6 +39,7 @@ import msgspec
 import numpy as np
 
 from miles_async.actors.engine import Generate
+from miles_async.actors.external import ServerConfig
 from miles_async.actors.sessions import TakeSession
 from miles_async.engine.backend import Backend, EngineBackend, GenerateParams, connect
 from miles_async.engine.client import EngineHTTPError, EngineOutput, bearer
@@ -84,8 +85,9 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # new weights: a partial rollout spans versions) or "abort_retry" (aborted, generated again).
     partial: Literal["continue", "abort_retry"] = "continue"
     sampling: SamplingConfig = SamplingConfig()
-    engine: EngineConfig = EngineConfig()
-    engine_threads: int = 1  # torch threads of each engine's compute thread
+    engine: EngineConfig = EngineConfig()  # the embedded engine's
+    server: ServerConfig = ServerConfig()  # an external engine's (backend "vllm"): how to start or reach it
+    engine_threads: int = 1  # torch threads of each engine's compute thread (vLLM: its worker's threads)
     # Give every sample its own sampling seed (from loop.seed and prompt, index, attempt), so a run
     # samples the same whatever the completion order; costs the engine ~10% (a generator per row).
     seeded: bool = False

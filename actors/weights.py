@@ -15,6 +15,9 @@ One push, whatever the transport (`WeightSyncConfig.transport`):
      - broadcast: `BeginUpdate`, then a torch.distributed broadcast from this actor (rank 0) to
        the engines of its own group (gloo on CPU, NCCL on GPU; joined once, kept);
      - shm: `BeginUpdate` returns the engine's target segment; the shards are written straight into it;
+     - disk: the whole version as a folder under `delta_dir` (`full_v<version>/model.safetensors`,
+       the checkpoint's names), which every engine loads (`LoadWeightsFile`): the path of external
+       engines (actors/external.py: vLLM reloads it in place);
      - disk_delta: the changed elements since the last pushed version, written under `delta_dir`,
        which every engine reads (`ApplyDelta`); the first push, or an engine that missed one,
        gets the whole version as one file there (`LoadWeightsFile`);
@@ -76,7 +79,8 @@ from miles_async.transport.verify import checksums, compare
 
 T = TypeVar("T")
 log = logging.getLogger("miles_async.actors.weights")
-TRANSPORTS = ("colocated", "broadcast", "shm", "disk_delta", "rdma", "stream")
+TRANSPORTS = ("colocated", "broadcast", "shm", "disk", "disk_delta", "rdma", "stream")
+AUTO = "auto"  # a recipe's: the run picks (actors/fleet.py, Fleet.sync_config)
 VERIFY = ("never", "first", "always")
 Source = Callable[[], Mapping[str, torch.Tensor]]
 
@@ -86,20 +90,21 @@ class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     `pause_mode` and `delta_dir` itself)."""
 
     family: str = ""  # the model family: picks the name/layout converter (required by a pusher)
-    transport: str = "shm"  # the engines' weights in shared memory: the fastest on one node
+    # the engines' weights in shared memory: the fastest on one node; "auto" (a recipe's) lets the run pick
+    transport: str = "shm"
     bucket_mib: float = 64.0
     pause_mode: str = "in_place"  # an engine pause mode, or "none" (double-buffered engines)
     verify: str = "first"  # never | first (random-fill check on the first push) | always
     verify_seed: int = 0
-    delta_dir: str = ""  # disk_delta: a folder every engine can read
-    keep_deltas: int = 2  # disk_delta: how many pushed versions stay on disk
+    delta_dir: str = ""  # disk, disk_delta: a folder every engine can read
+    keep_deltas: int = 2  # disk, disk_delta: how many pushed versions stay on disk
     backend: str = "gloo"  # broadcast: gloo on CPU, nccl on GPU
     host: str = "127.0.0.1"  # broadcast: where this actor's group store listens
     lease_s: float = 300.0  # an engine aborts an update not committed within this
     timeout_s: float = 600.0  # for each engine step of a push
 
     def __post_init__(self) -> None:
-        checks = (("transport", TRANSPORTS), ("verify", VERIFY), ("backend", BACKENDS),
+        checks = (("transport", (*TRANSPORTS, AUTO)), ("verify", VERIFY), ("backend", BACKENDS),
                   ("pause_mode", (*PAUSE_MODES, "none")), ("family", tuple(CONVERTERS)))
         for field, allowed in checks:
             if getattr(self, field) not in allowed and not (field == "family" and self.family == ""):
@@ -148,8 +153,11 @@ class WeightPusher(Actor):
             raise ValueError("WeightPusher needs at least one engine name")
         if not config.family:
             raise ValueError(f"WeightSyncConfig.family is empty: give the model family ({', '.join(CONVERTERS)})")
-        if config.transport == "disk_delta" and not config.delta_dir:
-            raise ValueError("WeightSyncConfig.delta_dir is required for transport 'disk_delta' "
+        if config.transport == AUTO:
+            raise ValueError(f'WeightSyncConfig.transport = "auto" is a recipe\'s: give the pusher one of '
+                             f"{', '.join(TRANSPORTS)}")
+        if config.transport in ("disk", "disk_delta") and not config.delta_dir:
+            raise ValueError(f"WeightSyncConfig.delta_dir is required for transport {config.transport!r} "
                              "(a folder every engine can read)")
         if config.transport == "rdma":
             from miles_async.transport.rdma import require_pyverbs
@@ -312,6 +320,9 @@ class WeightPusher(Actor):
         if transport == "disk_delta":
             await self._push_delta(version, cast, expected)
             return
+        if transport == "disk":
+            await self._push_file(version, cast, expected)
+            return
         states = await self._ask_all(BeginUpdate(version=version, lease_s=self.config.lease_s))
         buckets = split_buckets(cast, self.config.bucket_bytes)
         if transport == "shm":
@@ -413,6 +424,19 @@ class WeightPusher(Actor):
             await self._on_thread(functools.partial(side.write, plan, buckets, timeout_s=self.config.timeout_s))
         finally:
             await self._on_thread(side.close)
+
+    # ----- disk -----
+
+    async def _push_file(self, version: int, cast: dict[str, torch.Tensor], expected: dict[str, str] | None) -> None:
+        """The whole version as a folder every engine loads (`full_v<version>/model.safetensors`)."""
+        cfg = self.config
+        root = Path(cfg.delta_dir)
+        path = root / f"full_v{version:08d}" / "model.safetensors"
+        await self._on_thread(_save_file, cast, path)
+        await self._ask_all(BeginUpdate(version=version, lease_s=cfg.lease_s))
+        await self._ask_all(LoadWeightsFile(path=str(path)))
+        await self._ask_all(CommitUpdate(checksums=expected))
+        await self._on_thread(_prune, root, cfg.keep_deltas)
 
     # ----- disk delta -----
 

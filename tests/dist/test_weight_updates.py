@@ -141,7 +141,7 @@ def test_every_transport_delivers_verified_versions_to_engines_in_other_processe
             names = [e.name for e in engines]
             version = 0
             for transport, index in (("shm", 1), ("broadcast", 2), ("broadcast", 3), ("stream", 1), ("stream", 2),
-                                     ("disk_delta", 1), ("disk_delta", 2)):
+                                     ("disk", 3), ("disk_delta", 1), ("disk_delta", 2)):
                 cfg = WeightSyncConfig(family="qwen3", transport=transport, verify="always", bucket_mib=0.05,
                                        delta_dir=str(tmp_path / "deltas"), timeout_s=ASK_S)
                 pusher = await system.spawn(TestPusher, f"pusher-{transport}-{version}",

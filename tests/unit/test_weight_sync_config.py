@@ -11,7 +11,7 @@ from miles_async.actors.weights import WeightPusher, WeightSyncConfig
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"transport": "pigeon"}, "transport='pigeon' is not one of colocated, broadcast, shm, disk_delta, rdma"),
+    ({"transport": "pigeon"}, "transport='pigeon' is not one of colocated, broadcast, shm, disk, disk_delta, rdma, stream, auto"),
     ({"verify": "sometimes"}, "verify='sometimes'"),
     ({"pause_mode": "nap"}, "pause_mode='nap'"),
     ({"family": "gpt2"}, "family='gpt2' is not one of llama"),
@@ -39,5 +39,8 @@ def test_a_pusher_needs_what_a_run_sets():
     assert WeightSyncConfig().family == "" and WeightSyncConfig(transport="disk_delta").delta_dir == ""
     with pytest.raises(ValueError, match="WeightSyncConfig.family is empty"):
         WeightPusher(["engine-0"], WeightSyncConfig())
-    with pytest.raises(ValueError, match="delta_dir is required"):
-        WeightPusher(["engine-0"], WeightSyncConfig(family="qwen3", transport="disk_delta"))
+    for transport in ("disk", "disk_delta"):
+        with pytest.raises(ValueError, match=f"delta_dir is required for transport '{transport}'"):
+            WeightPusher(["engine-0"], WeightSyncConfig(family="qwen3", transport=transport))
+    with pytest.raises(ValueError, match='"auto" is a recipe\'s'):  # the run resolves it (Fleet.sync_config)
+        WeightPusher(["engine-0"], WeightSyncConfig(family="qwen3", transport="auto"))

@@ -1,0 +1,362 @@
+"""`ExternalEngineActor`: an inference server of another project (vLLM) as one of the run's engines.
+
+    WeightPusher ──PauseEngine / BeginUpdate / LoadWeightsFile / CommitUpdate / ResumeEngine──► ExternalEngineActor
+    rollout workers, evaluator, session server ──HTTP (engine/backend.py)──────────────────────► the server
+                                                                                                  ▲
+                                           ExternalEngineActor ──starts, reloads, probes────────┘
+
+The actor starts the server (`VllmServer`, from `.venv-vllm` or the Python the recipe names) or
+attaches to one already running (`ServerConfig.url`), and answers the same update protocol as
+`EngineActor` (actors/engine.py), so the weight pusher, the scheduler and the liveness checks
+treat both alike. Generation never passes through it: clients reach the server's HTTP API at
+`EngineState.url`.
+
+An update comes as a file (the pusher's `disk` transport: one folder per version, the model's
+safetensors in checkpoint names) and is atomic from the loop's point of view: nothing reaches
+the server before `CommitUpdate`, which (1) checks the file against the pusher's checksums when
+it sends them (verification on), (2) has the server reload it in place (vLLM: `reload_weights`
+through `/collective_rpc`), (3) when verifying, runs a probe: the server's log-probs of a fixed
+token sequence must match, within `PROBE_TOLERANCE`, those our own model computes from the same
+file (a tensor the server skipped, or left zeroed by `RandomFill`, shows there), and (4) makes the
+version live (`/update_weight_version`). The probe needs the server running: a paused one is
+resumed for it (its requests go on under the new weights a moment before the pusher's
+`ResumeEngine`, as they would after it). A failed probe pauses the server (aborting what it
+runs) and keeps it paused (`weights_error`), as a torn embedded engine refuses requests, until a
+good version commits.
+
+Try it: `pytest tests/e2e/test_vllm.py -s` (after `python3 dev.py vllm`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import msgspec
+import torch
+
+from miles_async.actors.engine import (
+    AbortUpdate,
+    BeginUpdate,
+    CommitUpdate,
+    EngineState,
+    EngineStatus,
+    LoadWeightsFile,
+    PauseEngine,
+    RandomFill,
+    ResumeEngine,
+)
+from miles_async.engine.weights import StaleVersionError
+from miles_async.runtime import Actor, handler
+from miles_async.transport.errors import TransportError
+from miles_async.transport.verify import checksums, compare
+
+log = logging.getLogger("miles_async.actors.external")
+T = TypeVar("T")
+
+PROBE_LENGTH = 48
+PROBE_TOLERANCE = 2e-3  # max |log-prob difference| on the probe, float32 (measured: ~5e-7 for vLLM on CPU)
+
+
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a run gets an external engine (the recipe's `[rollout.server]`, for `rollout.backend` other
+    than "embedded"): started by the run from `python` (default: `.venv-vllm`, made by `python3 dev.py
+    vllm`), or attached to the running server at `url` (one engine)."""
+
+    url: str = ""  # attach to this server instead of starting one
+    python: str = ""  # the Python to start the server with ("" = the backend's default)
+    extra_args: list[str] = []  # more command-line arguments for the server
+    env: dict[str, str] = {}  # more environment variables for the server
+    cpus: str = ""  # bind the server's worker threads to these cores ("0-1"); "" = rollout.engine_threads, unbound
+    kv_cache_mib: int = 64
+    max_model_len: int = 0  # 0 = the model's
+    start_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_mib < 1 or self.start_timeout_s <= 0:
+            raise ValueError(f"rollout.server.kv_cache_mib must be >= 1 and start_timeout_s > 0, got "
+                             f"{self.kv_cache_mib} and {self.start_timeout_s}")
+
+
+class ExternalEngineActor(Actor):
+    """One external engine of kind `kind` serving `model_dir` (module docstring)."""
+
+    def __init__(self, kind: Literal["vllm"], model_dir: str, config: ServerConfig | None = None, *,
+                 http_host: str = "127.0.0.1", threads: int = 1, dtype: str = "float32",
+                 api_key: str | None = None, log_dir: str = "") -> None:
+        if kind != "vllm":
+            raise ValueError(f"ExternalEngineActor starts vLLM servers only, not {kind!r} (SGLang runs on GPUs, "
+                             "which this build's runs do not start yet)")
+        self.kind = kind
+        self.model_dir = model_dir
+        self.config = config or ServerConfig()
+        self.host = http_host
+        self.threads = threads
+        self.dtype = dtype
+        self.api_key = api_key
+        self.log_dir = log_dir
+        self.server: Any = None  # engine.vllm.VllmServer, when this actor started it
+        self.backend: Any = None  # engine.vllm.VllmBackend
+        self.url = ""
+        self.version = 0
+        self.label = "0"
+        self.paused: str | None = None
+        self.weights_error: str | None = None
+        self.updating: int | None = None
+        self.pending: Path | None = None  # the update's file
+        self.num_bytes = 0
+        self._lease: asyncio.TimerHandle | None = None
+        self._reference: Any = None  # our model, for the probe
+        self._probe_ids: list[int] = []
+        self.tied = False  # the model's embeddings and output projection are one tensor
+
+    async def on_start(self) -> None:
+        from miles_async.engine.vllm import VllmBackend, VllmServer
+
+        cfg = self.config
+        self.tied = bool(json.loads((Path(self.model_dir) / "config.json").read_text()).get("tie_word_embeddings"))
+        if cfg.url:
+            self.url = cfg.url.rstrip("/")
+        else:
+            from miles_async.trainer.fsdp import free_port
+
+            folder = Path(self.log_dir or tempfile.mkdtemp(prefix="miles-vllm-"))
+            log_path = folder / f"{self.name}-vllm.log"
+            served = untied_view(self.model_dir, folder / f"{self.name}-model") if self.tied else Path(self.model_dir)
+            self.server = VllmServer(served, host=self.host, port=free_port(self.host), python=cfg.python or None,
+                                     dtype=self.dtype, threads=self.threads, cpus=cfg.cpus,
+                                     kv_cache_bytes=cfg.kv_cache_mib * 2**20, max_model_len=cfg.max_model_len,
+                                     api_key=self.api_key, extra_args=cfg.extra_args, env=dict(cfg.env), log_path=log_path)
+            log.info("%s: starting vLLM (%s), log %s", self.name, " ".join(self.server.argv()), log_path)
+            self.url = await self.server.start(cfg.start_timeout_s)
+        self.backend = VllmBackend(self.url, api_key=self.api_key)
+        if not await self.backend.health():
+            raise RuntimeError(f"{self.name}: the vLLM server at {self.url} does not answer /health")
+        await _in_task(self.backend.set_weight_version(self.label))
+        self.num_bytes = sum(f.stat().st_size for f in Path(self.model_dir).glob("*.safetensors"))
+
+    async def on_stop(self) -> None:
+        await self._close()
+
+    async def on_failure(self, failure: Any) -> None:
+        await self._close()
+
+    async def _close(self) -> None:
+        self._cancel_lease()
+        if self.backend is not None:
+            await self.backend.close()
+        if self.server is not None:
+            await self.server.stop()
+
+    def state(self) -> EngineState:
+        return EngineState(name=self.name, version=self.version, label=self.label, paused=self.paused,
+                           weights_error=self.weights_error, updating=self.updating, dtype=self.dtype,
+                           num_bytes=self.num_bytes, url=self.url,
+                           pid=self.server.pid if self.server is not None and self.server.pid else os.getpid())
+
+    @handler(concurrent=True)
+    async def status(self, msg: EngineStatus) -> EngineState:
+        if self.server is not None and self.server.returncode is not None:
+            raise RuntimeError(f"{self.name}: the vLLM server exited with status {self.server.returncode}; log "
+                               f"tail:\n{self.server.log_tail()}")
+        return self.state()
+
+    @handler
+    async def pause(self, msg: PauseEngine) -> EngineState:
+        await _in_task(self.backend.pause(msg.mode))
+        self.paused = msg.mode
+        return self.state()
+
+    @handler
+    async def resume(self, msg: ResumeEngine) -> EngineState:
+        if self.weights_error is not None and self.updating is None:  # a failed probe: serve nothing
+            log.warning("%s: not resumed: %s", self.name, self.weights_error)
+            return self.state()
+        await _in_task(self.backend.resume())
+        self.paused = None
+        return self.state()
+
+    # ----- the update protocol -----
+
+    @handler
+    async def begin_update(self, msg: BeginUpdate) -> EngineState:
+        if msg.version <= self.version:
+            raise StaleVersionError(f"weight version {msg.version} is not newer than {self.name}'s {self.version}")
+        self.updating, self.pending = msg.version, None
+        self._cancel_lease()
+        self._lease = asyncio.get_running_loop().call_later(msg.lease_s, self._lease_expired, msg.version)
+        return self.state()
+
+    @handler
+    async def load_weights_file(self, msg: LoadWeightsFile) -> EngineState:
+        if self.updating is None:
+            raise TransportError(f"{self.name}: LoadWeightsFile without BeginUpdate")
+        path = Path(msg.path)
+        if not path.is_file():
+            raise TransportError(f"{self.name}: no weights file at {path}")
+        self.pending = path
+        return self.state()
+
+    @handler
+    async def commit_update(self, msg: CommitUpdate) -> EngineState:
+        self._cancel_lease()
+        if self.updating is None or self.pending is None:
+            raise TransportError(f"{self.name}: CommitUpdate with no update file (BeginUpdate, LoadWeightsFile first)")
+        version, path = self.updating, self.pending
+        self.updating = self.pending = None
+        tensors: dict[str, torch.Tensor] | None = None
+        if msg.checksums is not None:  # the file is what the pusher meant
+            tensors = await asyncio.to_thread(_read, path)
+            bad = compare(msg.checksums, await asyncio.to_thread(checksums, tensors))
+            if bad:
+                raise TransportError(f"{self.name}: the update file {path} differs from what was pushed in "
+                                     f"{len(bad)} tensor(s), e.g. {', '.join(bad[:4])}; version {version} not loaded")
+        if self.tied and not self.config.url:  # the server this actor started serves the untied view
+            await asyncio.to_thread(_write_lm_head, path)
+        await _in_task(self.backend.reload_weights(path.parent))
+        if tensors is not None:
+            if self.paused is not None:  # a paused vLLM answers nothing: the probe needs it running
+                await _in_task(self.backend.resume())
+                self.paused = None
+            await self._probe(tensors, version)
+        self.weights_error = None
+        self.version, self.label = version, str(version)
+        await _in_task(self.backend.set_weight_version(self.label))
+        return self.state()
+
+    @handler
+    async def abort_update(self, msg: AbortUpdate) -> EngineState:
+        self._cancel_lease()
+        self.updating = self.pending = None  # nothing reached the server before the commit
+        log.warning("%s: update aborted: %s", self.name, msg.reason)
+        return self.state()
+
+    @handler
+    async def random_fill(self, msg: RandomFill) -> EngineState:
+        """vLLM's own reset (zeros, not noise): a tensor the next update skips shows in its probe."""
+        await _in_task(self.backend.reset_weights())
+        self.weights_error = "weights zeroed for the verification of the next update"
+        return self.state()
+
+    async def _probe(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """The server's log-probs of the probe sequence against our model's on the same weights."""
+        expected = await asyncio.to_thread(self._reference_logprobs, tensors)
+        served = await _in_task(self.backend.prompt_logprobs(self._probe_ids))
+        worst = max(abs(a - b) for a, b in zip(served, expected))
+        if worst > PROBE_TOLERANCE:
+            self.weights_error = (f"weight version {version} failed the probe: the server's log-probs differ from "
+                                  f"the pushed weights' by up to {worst:.3g} (tolerance {PROBE_TOLERANCE:g})")
+            await _in_task(self.backend.pause("abort"))  # and stays paused until a version passes
+            self.paused = "abort"
+            raise TransportError(f"{self.name}: {self.weights_error}")
+        log.info("%s: version %d verified by the probe (max log-prob difference %.2g)", self.name, version, worst)
+
+    def _reference_logprobs(self, tensors: dict[str, torch.Tensor]) -> list[float]:
+        if self._reference is None:
+            from miles_async.models import load_pretrained
+
+            self._reference = load_pretrained(self.model_dir)
+            generator = torch.Generator().manual_seed(0)
+            vocab = self._reference.config.vocab_size
+            self._probe_ids = torch.randint(3, vocab, (PROBE_LENGTH,), generator=generator).tolist()
+        model = self._reference
+        state = model.state_dict()
+        missing = [n for n in state if n not in tensors and not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
+        if missing:
+            raise TransportError(f"{self.name}: the update file lacks {len(missing)} tensor(s), e.g. {missing[:4]}")
+        with torch.no_grad():
+            for name, target in state.items():
+                if name in tensors:
+                    target.copy_(tensors[name])
+            ids = torch.tensor([self._probe_ids])
+            out = model(ids)
+            logits = out[0] if isinstance(out, tuple) else out  # an MoE model adds its routing
+            logp = torch.log_softmax(logits.float(), dim=-1)[0]
+        return logp[:-1].gather(1, ids[0, 1:, None]).squeeze(1).tolist()
+
+    # ----- the lease -----
+
+    def _cancel_lease(self) -> None:
+        if self._lease is not None:
+            self._lease.cancel()
+            self._lease = None
+
+    def _lease_expired(self, version: int) -> None:
+        self._lease = None
+        if self.updating == version:
+            log.warning("%s: no commit of weight version %d in time: the update is dropped", self.name, version)
+            self.updating = self.pending = None
+            asyncio.get_running_loop().create_task(self._resume_after_lease())
+
+    async def _resume_after_lease(self) -> None:
+        try:
+            await _in_task(self.backend.resume())
+            self.paused = None
+        except Exception as e:  # noqa: BLE001 - the server is gone: its status says so
+            log.warning("%s: could not resume after the lease: %s", self.name, e)
+
+
+async def _in_task(coro: Coroutine[Any, Any, T]) -> T:
+    """Await `coro` in a task of its own: a handler's first step runs outside any task
+    (runtime/eager.py), and aiohttp's timeouts refuse to run there."""
+    return await asyncio.ensure_future(coro)
+
+
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def untied_view(model_dir: str | Path, out: Path) -> Path:
+    """The model at `model_dir` with its output projection as a tensor of its own (`out`: links to its
+    files, a config.json saying `tie_word_embeddings: false` and lm_head.safetensors).
+
+    vLLM 0.32's CPU build keeps the output projection of a tied model as a processed copy that its
+    in-place reload does not refresh (the reload finds no `lm_head` weights in a tied checkpoint and
+    puts the old ones back: "ParallelLMHead: Failed to load weights"), so updates would leave the
+    first version's projection in place; untied, each update carries it (`_write_lm_head`).
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source = Path(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for entry in source.iterdir():
+        link = out / entry.name
+        if entry.name not in ("config.json", "model.safetensors.index.json") and not link.exists():
+            link.symlink_to(entry.resolve())
+    config = json.loads((source / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}, indent=2))
+    index_path = source / "model.safetensors.index.json"
+    files = sorted(source.glob("*.safetensors"))
+    if index_path.exists():  # a sharded checkpoint: vLLM reads only the files its index names
+        index = json.loads(index_path.read_text())
+        files = [source / index["weight_map"][EMBED]]
+        index["weight_map"][LM_HEAD] = "lm_head.safetensors"
+        (out / index_path.name).write_text(json.dumps(index, indent=2))
+    for file in files:
+        with safe_open(str(file), "pt") as handle:
+            if EMBED in handle.keys():  # noqa: SIM118 - safe_open has keys(), not __contains__
+                save_file({LM_HEAD: handle.get_tensor(EMBED).clone()}, str(out / "lm_head.safetensors"))
+                return out
+    raise ValueError(f"{model_dir}: tied embeddings, but no {EMBED} in its safetensors files")
+
+
+def _write_lm_head(path: Path) -> None:
+    """Beside an update's file: its embedding again as `lm_head.weight` (see `untied_view`)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as handle:
+        embed = handle.get_tensor(EMBED)
+    save_file({LM_HEAD: embed}, str(path.parent / "lm_head.safetensors"))
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
