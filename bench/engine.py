@@ -5,7 +5,10 @@ long-tailed output lengths (log-normal, median 48, clipped to 16..512), greedy, 
 every request produces exactly its length. Our side submits them all at once to one in-process
 `Engine` (continuous batching); the peer (bench/engine_peers.py) runs them through HF `generate`
 in static batches of 8. Both are credited with the same useful tokens; the figure is the ratio
-of tokens/s. Then a multi-turn workload where every turn's prompt is the previous turn's prompt
+of tokens/s. The second peer, when `.venv-vllm` exists (`python3 dev.py vllm`), is vLLM's CPU
+build (0.32) serving the same model over HTTP, given the same number of worker threads as our
+engine's torch threads and no reserved core (vLLM reserves one by default); its figure is
+compared with our engine over HTTP (`http_throughput_vs_vllm`), null without it. Then a multi-turn workload where every turn's prompt is the previous turn's prompt
 and output plus a new user message, sessions running concurrently: the prefix-cache hit rate
 (cached prompt tokens / prompt tokens, over the turns that have a previous turn).
 
@@ -38,6 +41,8 @@ from miles_async.bench.engine_peers import (
     PEER_NOTE_MODEL,
     hf_reference_point,
     hf_static_batches,
+    vllm_available,
+    vllm_server_throughput,
     write_peer_note_model,
 )
 from miles_async.engine import (
@@ -147,7 +152,8 @@ def _write_model(out_dir: str, seed: int) -> tuple[str, dict[str, Any]]:
 
 
 def measure(num_requests: int, max_output: int, with_peer: bool, seed: int = 0,
-            config: EngineConfig | None = None, num_sessions: int = 16, num_turns: int = 6) -> dict[str, Any]:
+            config: EngineConfig | None = None, num_sessions: int = 16, num_turns: int = 6,
+            with_vllm: bool = True) -> dict[str, Any]:
     from miles_async.models import ModelConfig
 
     config = config or EngineConfig()
@@ -170,6 +176,14 @@ def measure(num_requests: int, max_output: int, with_peer: bool, seed: int = 0,
                                        "peer_note_tokens_per_s": 3912}
             _progress(f"HF generate, static batches of {PEER_BATCH_SIZE}: {peer['tokens_per_s']:,.0f} tokens/s "
                       f"in {peer['wall_s']} s (peer note's setting: {peer['reference_point']['tokens_per_s']:,.0f})")
+        vllm: dict[str, Any] | None = None
+        vllm_missing = vllm_available() if with_peer and with_vllm else "--no-peer" if not with_peer else "--no-vllm"
+        if vllm_missing is None:
+            vllm = asyncio.run(vllm_server_throughput(model_dir, workload, torch.get_num_threads(),
+                                                      int(config.kv_cache_mib * 2**20), _progress))
+            _progress(f"vLLM (CPU build, over HTTP): {vllm['tokens_per_s']:,.0f} tokens/s in {vllm['wall_s']} s")
+        else:
+            _progress(f"vLLM skipped: {vllm_missing}")
         multiturn = asyncio.run(_multiturn(model_dir, config, num_sessions, num_turns, seed=seed))
         _progress(f"multi-turn prefix cache hit rate {multiturn['prefix_cache_hit_rate']:.1%}")
     ratio = round(ours["tokens_per_s"] / peer["tokens_per_s"], 2) if peer else None
@@ -187,9 +201,15 @@ def measure(num_requests: int, max_output: int, with_peer: bool, seed: int = 0,
         "embedded_engine": ours,
         "embedded_engine_http": http,
         "hf_generate_static_batches": peer,
+        # the same workload through vLLM's CPU server, when `.venv-vllm` exists (else null, and why)
+        "vllm_server": vllm,
+        "vllm_skipped": vllm_missing,
         "multiturn": multiturn,
         "ratios": {"throughput_vs_hf": ratio,
                    "http_throughput_vs_hf": round(http["tokens_per_s"] / peer["tokens_per_s"], 2) if peer else None,
+                   # both over HTTP, both on torch.get_num_threads() threads: ours in one process, vLLM's
+                   # worker beside its API server and engine core
+                   "http_throughput_vs_vllm": round(http["tokens_per_s"] / vllm["tokens_per_s"], 2) if vllm else None,
                    "targets": TARGETS,
                    "meets_targets": ratio is not None and ratio >= TARGETS["throughput_vs_hf"]
                    and multiturn["prefix_cache_hit_rate"] >= TARGETS["prefix_cache_hit_rate"]},
@@ -201,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the JSON on one line")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-output", type=int, default=512, help="longest output, tokens (shortest: 16)")
-    parser.add_argument("--no-peer", action="store_true", help="skip HF generate (and the ratio)")
+    parser.add_argument("--no-peer", action="store_true", help="skip HF generate and vLLM (and the ratios)")
+    parser.add_argument("--no-vllm", action="store_true", help="skip vLLM (it runs when .venv-vllm exists)")
     parser.add_argument("--max-running-requests", type=int, default=EngineConfig().max_running_requests)
     parser.add_argument("--num-sessions", type=int, default=16, help="multi-turn workload: concurrent sessions")
     parser.add_argument("--num-turns", type=int, default=6, help="multi-turn workload: turns per session")
@@ -211,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --num-requests >= 1, --max-output >= 16, --num-sessions >= 1, --num-turns >= 2")
     config = EngineConfig(max_running_requests=args.max_running_requests)
     result = measure(args.num_requests, args.max_output, not args.no_peer, seed=args.seed, config=config,
-                     num_sessions=args.num_sessions, num_turns=args.num_turns)
+                     num_sessions=args.num_sessions, num_turns=args.num_turns, with_vllm=not args.no_vllm)
     print(json.dumps(result, indent=None if args.json else 1))
     return 0
 

