@@ -1,12 +1,15 @@
-"""`ExternalEngineActor`: an inference server of another project (vLLM) as one of the run's engines.
+"""`ExternalEngineActor`: an inference server of another project (vLLM, SGLang) as one of the run's engines.
 
     WeightPusher ──PauseEngine / BeginUpdate / LoadWeightsFile / CommitUpdate / ResumeEngine──► ExternalEngineActor
     rollout workers, evaluator, session server ──HTTP (engine/backend.py)──────────────────────► the server
                                                                                                   ▲
                                            ExternalEngineActor ──starts, reloads, probes────────┘
 
-The actor starts the server (`VllmServer`, from `.venv-vllm` or the Python the recipe names) or
-attaches to one already running (`ServerConfig.url`), and answers the same update protocol as
+The actor starts the server (`VllmServer`, from `.venv-vllm` or the Python the recipe names;
+`SGLangServer`, on a GPU machine with SGLang) or attaches to one already running
+(`ServerConfig.url`: any server speaking SGLang's API, our embedded engine's included), and
+talks to it through its `EngineBackend`, which is also its `WeightAdmin` (engine/backend.py).
+It answers the same update protocol as
 `EngineActor` (actors/engine.py), so the weight pusher, the scheduler and the liveness checks
 treat both alike. Generation never passes through it: clients reach the server's HTTP API at
 `EngineState.url`.
@@ -15,7 +18,8 @@ An update comes as a file (the pusher's `disk` transport: one folder per version
 safetensors in checkpoint names) and is atomic from the loop's point of view: nothing reaches
 the server before `CommitUpdate`, which (1) checks the file against the pusher's checksums when
 it sends them (verification on), (2) has the server reload it in place (vLLM: `reload_weights`
-through `/collective_rpc`), (3) when verifying, runs a probe: the server's log-probs of a fixed
+through `/collective_rpc`; SGLang: `/update_weights_from_disk`, the model's config.json copied
+beside the file), (3) when verifying, runs a probe: the server's log-probs of a fixed
 token sequence must match, within `PROBE_TOLERANCE`, those our own model computes from the same
 file (a tensor the server skipped, or left zeroed by `RandomFill`, shows there), and (4) makes the
 version live (`/update_weight_version`). The probe needs the server running: a paused one is
@@ -33,6 +37,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Coroutine
 from pathlib import Path
@@ -66,8 +71,9 @@ PROBE_TOLERANCE = 2e-3  # max |log-prob difference| on the probe, float32 (measu
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How a run gets an external engine (the recipe's `[rollout.server]`, for `rollout.backend` other
-    than "embedded"): started by the run from `python` (default: `.venv-vllm`, made by `python3 dev.py
-    vllm`), or attached to the running server at `url` (one engine)."""
+    than "embedded"): started by the run from `python` (vLLM's default: `.venv-vllm`, made by
+    `python3 dev.py vllm`; SGLang's: this Python), or attached to the running server at `url` (one
+    engine)."""
 
     url: str = ""  # attach to this server instead of starting one
     python: str = ""  # the Python to start the server with ("" = the backend's default)
@@ -87,12 +93,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class ExternalEngineActor(Actor):
     """One external engine of kind `kind` serving `model_dir` (module docstring)."""
 
-    def __init__(self, kind: Literal["vllm"], model_dir: str, config: ServerConfig | None = None, *,
+    def __init__(self, kind: Literal["vllm", "sglang"], model_dir: str, config: ServerConfig | None = None, *,
                  http_host: str = "127.0.0.1", threads: int = 1, dtype: str = "float32",
                  api_key: str | None = None, log_dir: str = "") -> None:
-        if kind != "vllm":
-            raise ValueError(f"ExternalEngineActor starts vLLM servers only, not {kind!r} (SGLang runs on GPUs, "
-                             "which this build's runs do not start yet)")
+        if kind not in ("vllm", "sglang"):
+            raise ValueError(f"ExternalEngineActor serves vllm or sglang, not {kind!r}")
         self.kind = kind
         self.model_dir = model_dir
         self.config = config or ServerConfig()
@@ -101,8 +106,8 @@ class ExternalEngineActor(Actor):
         self.dtype = dtype
         self.api_key = api_key
         self.log_dir = log_dir
-        self.server: Any = None  # engine.vllm.VllmServer, when this actor started it
-        self.backend: Any = None  # engine.vllm.VllmBackend
+        self.server: Any = None  # VllmServer or SGLangServer (engine.process.ServerProcess), if this actor started it
+        self.backend: Any = None  # VllmBackend or SGLangBackend: an EngineBackend and a WeightAdmin
         self.url = ""
         self.version = 0
         self.label = "0"
@@ -117,29 +122,43 @@ class ExternalEngineActor(Actor):
         self.tied = False  # the model's embeddings and output projection are one tensor
 
     async def on_start(self) -> None:
-        from miles_async.engine.vllm import VllmBackend, VllmServer
+        from miles_async.engine.backend import connect
 
         cfg = self.config
         self.tied = bool(json.loads((Path(self.model_dir) / "config.json").read_text()).get("tie_word_embeddings"))
         if cfg.url:
             self.url = cfg.url.rstrip("/")
         else:
-            from miles_async.trainer.fsdp import free_port
-
-            folder = Path(self.log_dir or tempfile.mkdtemp(prefix="miles-vllm-"))
-            log_path = folder / f"{self.name}-vllm.log"
-            served = untied_view(self.model_dir, folder / f"{self.name}-model") if self.tied else Path(self.model_dir)
-            self.server = VllmServer(served, host=self.host, port=free_port(self.host), python=cfg.python or None,
-                                     dtype=self.dtype, threads=self.threads, cpus=cfg.cpus,
-                                     kv_cache_bytes=cfg.kv_cache_mib * 2**20, max_model_len=cfg.max_model_len,
-                                     api_key=self.api_key, extra_args=cfg.extra_args, env=dict(cfg.env), log_path=log_path)
-            log.info("%s: starting vLLM (%s), log %s", self.name, " ".join(self.server.argv()), log_path)
+            self.server = self._server(Path(self.log_dir or tempfile.mkdtemp(prefix=f"miles-{self.kind}-")))
+            log.info("%s: starting %s (%s), log %s", self.name, self.server.kind, " ".join(self.server.argv()),
+                     self.server.log_path)
             self.url = await self.server.start(cfg.start_timeout_s)
-        self.backend = VllmBackend(self.url, api_key=self.api_key)
-        if not await self.backend.health():
-            raise RuntimeError(f"{self.name}: the vLLM server at {self.url} does not answer /health")
+        self.backend = connect(self.kind, self.url, api_key=self.api_key)
+        if not await _in_task(self.backend.health()):
+            raise RuntimeError(f"{self.name}: the {self.kind} server at {self.url} does not answer /health")
         await _in_task(self.backend.set_weight_version(self.label))
         self.num_bytes = sum(f.stat().st_size for f in Path(self.model_dir).glob("*.safetensors"))
+
+    def _server(self, folder: Path) -> Any:
+        from miles_async.trainer.fsdp import free_port
+
+        cfg = self.config
+        port = free_port(self.host)
+        log_path = folder / f"{self.name}-{self.kind}.log"
+        if self.kind == "sglang":
+            from miles_async.engine.sglang import SGLangServer, default_command
+
+            command = [cfg.python, "-m", "sglang.launch_server"] if cfg.python else default_command()
+            return SGLangServer(self.model_dir, host=self.host, port=port, command=command,
+                                extra_args=["--dtype", self.dtype, *(["--api-key", self.api_key] if self.api_key else []),
+                                            *cfg.extra_args], env=dict(cfg.env), log_path=log_path)
+        from miles_async.engine.vllm import VllmServer
+
+        served = untied_view(self.model_dir, folder / f"{self.name}-model") if self.tied else Path(self.model_dir)
+        return VllmServer(served, host=self.host, port=port, python=cfg.python or None, dtype=self.dtype,
+                          threads=self.threads, cpus=cfg.cpus, kv_cache_bytes=cfg.kv_cache_mib * 2**20,
+                          max_model_len=cfg.max_model_len, api_key=self.api_key, extra_args=cfg.extra_args,
+                          env=dict(cfg.env), log_path=log_path)
 
     async def on_stop(self) -> None:
         await self._close()
@@ -163,7 +182,7 @@ class ExternalEngineActor(Actor):
     @handler(concurrent=True)
     async def status(self, msg: EngineStatus) -> EngineState:
         if self.server is not None and self.server.returncode is not None:
-            raise RuntimeError(f"{self.name}: the vLLM server exited with status {self.server.returncode}; log "
+            raise RuntimeError(f"{self.name}: the {self.kind} server exited with status {self.server.returncode}; log "
                                f"tail:\n{self.server.log_tail()}")
         return self.state()
 
@@ -217,17 +236,17 @@ class ExternalEngineActor(Actor):
             if bad:
                 raise TransportError(f"{self.name}: the update file {path} differs from what was pushed in "
                                      f"{len(bad)} tensor(s), e.g. {', '.join(bad[:4])}; version {version} not loaded")
-        if self.tied and not self.config.url:  # the server this actor started serves the untied view
+        if self.kind == "vllm" and self.tied and not self.config.url:  # it serves the untied view
             await asyncio.to_thread(_write_lm_head, path)
-        await _in_task(self.backend.reload_weights(path.parent))
+        await asyncio.to_thread(shutil.copyfile, Path(self.model_dir) / "config.json", path.parent / "config.json")
+        await _in_task(self.backend.reload_weights(str(path.parent), str(version)))
         if tensors is not None:
-            if self.paused is not None:  # a paused vLLM answers nothing: the probe needs it running
+            if self.paused is not None:  # a paused server answers nothing: the probe needs it running
                 await _in_task(self.backend.resume())
                 self.paused = None
             await self._probe(tensors, version)
         self.weights_error = None
         self.version, self.label = version, str(version)
-        await _in_task(self.backend.set_weight_version(self.label))
         return self.state()
 
     @handler
@@ -239,8 +258,13 @@ class ExternalEngineActor(Actor):
 
     @handler
     async def random_fill(self, msg: RandomFill) -> EngineState:
-        """vLLM's own reset (zeros, not noise): a tensor the next update skips shows in its probe."""
-        await _in_task(self.backend.reset_weights())
+        """vLLM's own reset (zeros, not noise): a tensor the next update skips shows in its probe.
+        SGLang has no such call: its probe alone verifies."""
+        try:
+            await _in_task(self.backend.reset_weights())
+        except NotImplementedError as e:
+            log.info("%s: no overwrite before the first verified update (%s)", self.name, e)
+            return self.state()
         self.weights_error = "weights zeroed for the verification of the next update"
         return self.state()
 

@@ -123,10 +123,6 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                              + ("it needs [agent] agent and environment (e.g. miles_async.tasks.calculator:agent and "
                                 ":CalculatorEnv)" if multi_turn else "[agent] goes only with a multi-turn task"))
         backend, transport = self.rollout.backend, self.weights.transport
-        if backend == "sglang":
-            raise ValueError('rollout.backend = "sglang": a run does not start or update SGLang servers yet (SGLang '
-                             "needs a CUDA GPU; engine/sglang.py starts one and engine/backend.py speaks to it): use "
-                             '"embedded" (SGLang\'s API, on this CPU) or "vllm"')
         if backend != "embedded" and transport not in ("auto", "disk"):
             raise ValueError(f'weights.transport = "{transport}" cannot reach a {backend} server: its weights are '
                              'reloaded from files the run writes (use "disk", or "auto" to let the run pick)')

@@ -11,8 +11,10 @@ version of every output token (spans) and, for an MoE model, the routed experts 
 `EngineOutput` whatever the engine. `connect(kind, url)` makes the client of a running server;
 which kind a run uses is `[rollout] backend`.
 
-Weight updates are not here: they go through the engine's actor (`actors/engine.py`), which owns
-the server process and knows which update paths its engine has.
+Weight updates are not here: they go through the engine's actor (`actors/engine.py` for the
+embedded engine, `actors/external.py` for a server of another project), which owns the server
+process. The external one drives them through `WeightAdmin`: SGLang's `/update_weights_from_disk`,
+vLLM's in-place reload; both answer prompt log-probs for the probe that verifies an update.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
-from miles_async.engine.client import EngineClient, EngineOutput, parse_output
+from miles_async.engine.client import EngineClient, EngineHTTPError, EngineOutput, parse_output
 
 BACKENDS = ("embedded", "sglang", "vllm")
 Backend = Literal["embedded", "sglang", "vllm"]
@@ -87,6 +89,27 @@ class EngineBackend(Protocol):
     async def close(self) -> None: ...
 
 
+@runtime_checkable
+class WeightAdmin(Protocol):
+    """The weight calls an external engine's actor makes (actors/external.py)."""
+
+    async def reload_weights(self, folder: str, label: str) -> None:
+        """Load the safetensors files under `folder` (checkpoint names, with the model's config.json)
+        into the served model and label them `label`."""
+        ...
+
+    async def set_weight_version(self, label: str) -> None: ...
+
+    async def reset_weights(self) -> None:
+        """Overwrite every weight (the start of an update's verification); NotImplementedError where
+        the engine has no such call."""
+        ...
+
+    async def prompt_logprobs(self, input_ids: list[int]) -> list[float]:
+        """The log-prob of each token after the first, under the served weights."""
+        ...
+
+
 class SGLangBackend:
     """`EngineBackend` over SGLang's native HTTP API: the embedded engine's server, or SGLang's own."""
 
@@ -124,6 +147,24 @@ class SGLangBackend:
 
     async def close(self) -> None:
         await self.client.close()
+
+    # ----- WeightAdmin -----
+
+    async def reload_weights(self, folder: str, label: str) -> None:
+        reply = await self.client.update_weights_from_disk(folder, weight_version=label)
+        if isinstance(reply, dict) and reply.get("success") is False:
+            raise EngineHTTPError(400, str(reply.get("message")), "/update_weights_from_disk")
+
+    async def set_weight_version(self, label: str) -> None:
+        await self.client.update_weight_version(label, abort_all_requests=False)
+
+    async def reset_weights(self) -> None:
+        raise NotImplementedError("SGLang has no call that overwrites its weights")
+
+    async def prompt_logprobs(self, input_ids: list[int]) -> list[float]:
+        out = await self.client.generate(input_ids=input_ids, sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                                         return_logprob=True, logprob_start_len=0)
+        return [float(entry[0]) for entry in out["meta_info"]["input_token_logprobs"][1:]]
 
 
 def connect(kind: Backend, url: str, *, api_key: str | None = None, timeout_s: float = 600.0) -> EngineBackend:

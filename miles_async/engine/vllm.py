@@ -264,10 +264,11 @@ class VllmBackend:
 
     # ----- weights (the engine's actor) -----
 
-    async def reload_weights(self, folder: str | Path) -> None:
+    async def reload_weights(self, folder: str | Path, label: str) -> None:
         """Load the safetensors files under `folder` (checkpoint names) into the served model, in place."""
         await self._request("POST", "/collective_rpc",
                             {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
+        await self.set_weight_version(label)
 
     async def reset_weights(self) -> None:
         """Zero every weight (a tensor an update then skips shows in the verification)."""

@@ -14,7 +14,14 @@ from safetensors.torch import load_file
 from miles_async.actors.external import EMBED, LM_HEAD, _write_lm_head, untied_view
 from miles_async.actors.fleet import resolve_transport
 from miles_async.actors.recipe import load_recipe
-from miles_async.engine.vllm import PYTHON_ENV, VllmServer, VllmUnavailable, check_model, find_python, parse_completion
+from miles_async.engine.vllm import (
+    PYTHON_ENV,
+    VllmServer,
+    VllmUnavailable,
+    check_model,
+    find_python,
+    parse_completion,
+)
 from miles_async.models import init_model
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "reverse.toml"
@@ -23,12 +30,12 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "reverse.toml"
 def test_auto_picks_shared_memory_for_embedded_engines_and_files_for_vllm():
     assert resolve_transport(load_recipe(RECIPE)) == "shm"
     assert resolve_transport(load_recipe(RECIPE, ["rollout.backend=vllm"])) == "disk"
+    assert resolve_transport(load_recipe(RECIPE, ["rollout.backend=sglang"])) == "disk"
     assert resolve_transport(load_recipe(RECIPE, ["placement.engines=[1]"])) == "stream"
     assert resolve_transport(load_recipe(RECIPE, ["weights.transport=broadcast"])) == "broadcast"
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["rollout.backend=sglang"], 'rollout.backend = "sglang": a run does not start or update SGLang servers yet'),
     (["rollout.backend=vllm", "weights.transport=shm"], 'weights.transport = "shm" cannot reach a vllm server'),
     (["rollout.backend=vllm", 'rollout.server.url="http://h:1"', "rollout.num_engines=2"],
      "attaches to one running server, but rollout.num_engines is 2"),
