@@ -30,8 +30,8 @@ INIT_STD = 0.02
 # CPU in seconds; "small" (~3M parameters dense) is for benchmarks that need measurable compute.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 4096,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 4096,
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
     },
     "small": {

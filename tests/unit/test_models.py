@@ -136,7 +136,7 @@ def test_the_model_hands_backends_what_the_protocol_says() -> None:
         logits_BTV = model(ids_BT, positions_BT, attn=recording)
     assert [c[0] for c in calls] == [0, 1]
     n, k, h = model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim
-    assert (n, k, h) == (2, 1, 32)  # the tiny preset: grouped queries, vLLM's smallest CPU head size
+    assert (n, k, h) == (4, 2, 32)  # the tiny preset: grouped queries, vLLM's smallest CPU head size
     assert calls[0][1:] == ((1, 3, n, h), (1, 3, k, h), (1, 3, k, h), [[10, 11, 12]])
     assert logits_BTV.shape == (1, 3, 100)
 
