@@ -1,4 +1,4 @@
-"""The embedded rollout engine and its SGLang-compatible HTTP API (DESIGN.md, "Engines").
+"""The embedded rollout engine, its SGLang-compatible HTTP API, and clients of external engines (DESIGN.md, "Engines").
 
 - `Engine` (core.py): continuous batching over a paged KV cache with a radix prefix cache,
   sampling with per-token log-probs, abort, pause/continue, weight updates, routed
@@ -6,10 +6,13 @@
 - `WeightStore` (weights.py): the engine's weights as an update target: versions in order,
   an optional double buffer, shared-memory weights, and the torn state an interrupted update
   leaves (the engine then refuses requests and its /health says why). `Engine.from_pretrained(DIR)`; `await engine.generate(GenerateRequest(...))`.
-- `EngineServer` / `create_app` (server.py): SGLang's native endpoints over aiohttp;
-  `miles-async serve engine --model DIR --port P` runs it.
+- `EngineServer` / `create_app` (server.py): SGLang 0.5.23's endpoints and shapes over aiohttp,
+  and OpenAI's routes (openai.py); `miles-async serve engine --model DIR --port P` runs it.
 - `EngineClient` (client.py): the async client for this server and for a real SGLang server.
-- `SGLangServer` (sglang.py): start a real SGLang server as a subprocess (GPU, `sglang` extra).
+- `EngineBackend` (backend.py): the one interface the loop, the evaluator and the session server
+  use for any engine; `SGLangBackend` speaks SGLang's API, `VllmBackend` (vllm.py) vLLM's.
+- `SGLangServer` (sglang.py), `VllmServer` (vllm.py), `SGLangRouter` (router.py): start those
+  servers as subprocesses (process.py: `ServerProcess`); `RoutedBackend` puts the router in front.
 
 Try it:
     miles-async init-model --family qwen3 --preset tiny --out /tmp/tiny

@@ -86,6 +86,14 @@ class EngineBackend(Protocol):
 
     async def health(self) -> bool: ...
 
+    async def load(self) -> int:
+        """Requests the engine holds now (running and waiting)."""
+        ...
+
+    async def info(self) -> dict[str, Any]:
+        """The server's own description of itself (its configuration), as it gives it."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -144,6 +152,14 @@ class SGLangBackend:
 
     async def health(self) -> bool:
         return await self.client.health()
+
+    async def load(self) -> int:
+        """From /v1/loads: running and waiting requests over its data-parallel ranks."""
+        loads = (await self.client.loads())["loads"]
+        return sum(int(rank["num_running_reqs"]) + int(rank["num_waiting_reqs"]) for rank in loads)
+
+    async def info(self) -> dict[str, Any]:
+        return dict(await self.client.server_info())
 
     async def close(self) -> None:
         await self.client.close()

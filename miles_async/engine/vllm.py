@@ -124,7 +124,8 @@ class VllmServer(ServerProcess):
                 "--kv-cache-memory-bytes", str(int(self.kv_cache_bytes)),
                 # compiling costs minutes on a CPU and needs a C compiler; the log-probs are those of
                 # the distribution sampled from (temperature, top-p/k applied), as our trainer scores
-                "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--disable-log-stats"]
+                "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--disable-log-stats",
+                "--enable-server-load-tracking"]  # /load counts requests only with it
         if self.max_model_len:
             argv += ["--max-model-len", str(self.max_model_len)]
         if self.api_key:  # required of /v1 clients (a multi-node run's engines listen off loopback)
@@ -256,6 +257,14 @@ class VllmBackend:
                 return r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
+
+    async def load(self) -> int:
+        """vLLM's `/load`: the generation requests it is serving."""
+        return int((await self._request("GET", "/load"))["server_load"])
+
+    async def info(self) -> dict[str, Any]:
+        """vLLM's `/server_info` (dev mode): its configuration as JSON, and its environment."""
+        return dict(await self._request("GET", "/server_info", params={"config_format": "json"}))
 
     async def close(self) -> None:
         if self._http is not None:

@@ -428,8 +428,8 @@ def test_requests_beyond_kv_capacity_queue_and_all_complete(model_dir, model):
     batch = prompts(16, start_len=10, step=3)
 
     async def scenario():
-        # 48 blocks of 4 tokens (2 KiB each): two or three requests at a time; the rest must wait.
-        async with served(model_dir, kv_cache_mib=0.094, block_size=4, max_seq_len=128) as client:
+        # 48 blocks of 4 tokens (4 KiB each): two or three requests at a time; the rest must wait.
+        async with served(model_dir, kv_cache_mib=0.188, block_size=4, max_seq_len=128) as client:
             outs = await asyncio.gather(*(client.generate(
                 input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 30}) for p in batch))
             return outs, (await client.server_info())["internal_states"][0]

@@ -347,7 +347,7 @@ def test_disk_delta_to_a_node_without_the_run_folder_is_refused_before_anything_
     rc0, err0, err1, seconds = refused_without_the_run_folder(tmp_path, "placement.engines=[1]",
                                                               "weights.transport=disk_delta")
     assert rc0 == 2 and seconds < 60, err0[-3000:]
-    assert ('miles-async launch: the run cannot start: weights.transport = "disk_delta" writes deltas into the run '
+    assert ('miles-async launch: the run cannot start: weights.transport = "disk_delta" writes weights into the run '
             f"folder ({tmp_path / 'run'}) for the engines to read, but node(s) [1] do not see it") in err0, err0[-3000:]
     assert "Traceback" not in err0
     assert "node 1 stops: the run stopped on node 0: RunSetupError" in err1

@@ -59,8 +59,36 @@ def test_a_run_trains_an_engine_it_reaches_only_through_sglangs_api(model_dir, t
         last = max(r["weight_version"] for r in rows if "weight_version" in r)
         # every pushed version reached the server, under its label, through /update_weights_from_disk
         assert int(served_version(url)) >= last > 0
-        assert sorted(p.name for p in (out / "deltas").iterdir())[-1].startswith("full_v")
-        assert (sorted((out / "deltas").iterdir())[-1] / "config.json").exists()
+        newest = max((out / "deltas").iterdir())
+        assert newest.name.startswith("full_v") and (newest / "config.json").exists()
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_the_sglang_backend_reports_load_and_info_from_sglangs_endpoints(model_dir):
+    import asyncio
+
+    from miles_async.engine import Engine, EngineConfig, EngineServer
+    from miles_async.engine.backend import GenerateParams, SGLangBackend
+
+    async def main():
+        engine = Engine.from_pretrained(str(model_dir), config=EngineConfig(kv_cache_mib=4, max_seq_len=64))
+        async with engine, EngineServer(engine) as server:
+            backend = SGLangBackend(server.url)
+            try:
+                await backend.pause("in_place")
+                pending = [asyncio.ensure_future(backend.generate([5, 6, 7], GenerateParams(max_new_tokens=4),
+                                                                  version=0)) for _ in range(3)]
+                await asyncio.sleep(0.3)
+                held = await backend.load()
+                await backend.resume()
+                await asyncio.wait_for(asyncio.gather(*pending), 30)
+                return held, await backend.load(), await backend.info()
+            finally:
+                await backend.close()
+
+    held, idle, info = asyncio.run(asyncio.wait_for(main(), 50))
+    assert (held, idle) == (3, 0)
+    assert info["model_path"] == str(model_dir)

@@ -107,14 +107,22 @@ def test_abort_by_prefix_pause_and_resume(server):
                                                            rid="group-8-0"))
             await asyncio.sleep(0.5)
             assert not any(t.done() for t in (*group, other))  # paused
+            held = await backend.load()
             await backend.abort("group-7")
             aborted = await asyncio.wait_for(asyncio.gather(*group), 30)
             await backend.resume()
-            return aborted, await asyncio.wait_for(other, 60)
+            done = await asyncio.wait_for(other, 60)
+            for _ in range(100):  # vLLM counts a request out after its reply is sent
+                if await backend.load() == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return held, aborted, done, await backend.load(), await backend.info()
         finally:
             await backend.close()
 
-    aborted, other = run(main(), 110)
+    held, aborted, other, idle, info = run(main(), 110)
+    assert (held, idle) == (3, 0)
+    assert info["vllm_config"]["model_config"]["dtype"] == "torch.float32"
     assert [a.finish_reason for a in aborted] == ["abort", "abort"]
     assert other.finish_reason == "length" and len(other.output_ids) == 4
 

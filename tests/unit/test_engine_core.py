@@ -189,7 +189,7 @@ def test_sampling_params_accept_sglang_spellings():
 def test_greedy_under_kv_pressure_and_chunked_prefill_equals_a_full_forward_loop(dense_dir):
     model = load_pretrained(dense_dir)
     # Room for a few requests at a time only: the rest queue, decoders get retracted, prompts chunk.
-    config = EngineConfig(kv_cache_mib=0.07, block_size=4, max_seq_len=128, max_prefill_tokens=24)
+    config = EngineConfig(kv_cache_mib=0.14, block_size=4, max_seq_len=128, max_prefill_tokens=24)
     engine = Engine(model, config=config)
     batch = prompts(10, model.config.vocab_size)
     params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
@@ -239,7 +239,7 @@ def test_routed_experts_of_every_token_match_the_models_own_routing(moe_dir):
 def test_weight_update_from_tensors_checks_names_and_shapes_then_bumps_the_version(dense_dir, tmp_path):
     model = load_pretrained(dense_dir)
     other = load_pretrained(init_model("qwen3", "tiny", tmp_path / "other", seed=3, init_std=LIVELY_STD))
-    engine = Engine(model, tokenizer=load_tokenizer(dense_dir), config=EngineConfig(kv_cache_mib=2))
+    engine = Engine(model, tokenizer=load_tokenizer(dense_dir), config=EngineConfig(kv_cache_mib=4))
     prompt = prompts(1, model.config.vocab_size, start_len=9)[0]
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 
@@ -302,8 +302,8 @@ def full_log_probs(model, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("config", [
-    EngineConfig(kv_cache_mib=2, block_size=4),
-    EngineConfig(kv_cache_mib=2, block_size=4, max_prefill_tokens=5),  # scored positions span prefill chunks
+    EngineConfig(kv_cache_mib=4, block_size=4),
+    EngineConfig(kv_cache_mib=4, block_size=4, max_prefill_tokens=5),  # scored positions span prefill chunks
 ])
 def test_prompt_log_probs_and_top_k_equal_a_full_forward_even_over_a_cached_prefix(dense_dir, config):
     model = load_pretrained(dense_dir)
@@ -346,7 +346,7 @@ def test_prompt_log_probs_and_top_k_equal_a_full_forward_even_over_a_cached_pref
 
 def test_prompt_log_probs_from_position_0_and_bad_starts(dense_dir):
     model = load_pretrained(dense_dir)
-    engine = Engine(model, config=EngineConfig(kv_cache_mib=2, block_size=4))
+    engine = Engine(model, config=EngineConfig(kv_cache_mib=4, block_size=4))
     prompt = prompts(1, model.config.vocab_size, start_len=7)[0]
     params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
 
@@ -374,7 +374,7 @@ def test_prompt_log_probs_from_position_0_and_bad_starts(dense_dir):
 
 def test_abort_matches_a_rid_prefix_as_sglang_does(dense_dir):
     model = load_pretrained(dense_dir)
-    engine = Engine(model, config=EngineConfig(kv_cache_mib=2))
+    engine = Engine(model, config=EngineConfig(kv_cache_mib=4))
     long = SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True)
 
     async def scenario():
@@ -397,7 +397,7 @@ def test_abort_matches_a_rid_prefix_as_sglang_does(dense_dir):
 
 def test_a_relabelled_version_starts_a_span_of_its_own(dense_dir):
     model = load_pretrained(dense_dir)
-    engine = Engine(model, config=EngineConfig(kv_cache_mib=2))
+    engine = Engine(model, config=EngineConfig(kv_cache_mib=4))
     params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     prompt = list(range(5, 25))  # longer than a block: the prefix cache keeps some of it
 
