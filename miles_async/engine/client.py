@@ -132,7 +132,7 @@ class EngineClient:
         async with self._http().request(method, self.base_url + path, json=payload) as response:
             body = await response.read()
             if response.status >= 400:
-                raise EngineHTTPError(response.status, _error_message(body), path)
+                raise EngineHTTPError(response.status, error_message(body), path)
             if response.content_type == "application/json":
                 return json.loads(body)
             return body.decode(errors="replace")
@@ -156,7 +156,7 @@ class EngineClient:
         payload["stream"] = True
         async with self._http().post(self.base_url + "/generate", json=payload) as response:
             if response.status >= 400:
-                raise EngineHTTPError(response.status, _error_message(await response.read()), "/generate")
+                raise EngineHTTPError(response.status, error_message(await response.read()), "/generate")
             async for raw_line in response.content:  # lines up to 2 x read_bufsize bytes
                 line = raw_line.strip()
                 if not line.startswith(b"data:"):
@@ -270,7 +270,9 @@ def _generate_payload(input_ids: Any, text: Any, sampling_params: dict[str, Any]
     return payload
 
 
-def _error_message(body: bytes) -> str:
+def error_message(body: bytes) -> str:
+    """An engine's error reply as text: OpenAI's {"error": {"message"}} (SGLang's, ours), SGLang's
+    {"message"}, FastAPI's {"detail"} (vLLM's RL endpoints), {"error": "..."}, or the body."""
     text = body.decode(errors="replace")
     try:
         parsed = json.loads(text)
@@ -280,8 +282,11 @@ def _error_message(body: bytes) -> str:
         error = parsed.get("error")
         if isinstance(error, dict) and "message" in error:
             return str(error["message"])
-        if "message" in parsed:
-            return str(parsed["message"])
+        if isinstance(error, str):
+            return error
+        for key in ("message", "detail"):
+            if key in parsed:
+                return str(parsed[key])
     return text.strip()
 
 

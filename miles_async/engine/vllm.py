@@ -42,7 +42,7 @@ from typing import Any
 import aiohttp
 
 from miles_async.engine.backend import GenerateParams, PauseMode
-from miles_async.engine.client import EngineHTTPError, EngineOutput, bearer
+from miles_async.engine.client import EngineHTTPError, EngineOutput, bearer, error_message
 from miles_async.engine.process import ServerProcess
 from miles_async.trajectory import VersionSpan
 
@@ -156,7 +156,7 @@ class VllmBackend:
         async with self._session().request(method, self.url + path, json=payload, params=params) as response:
             body = await response.read()
             if response.status >= 400:
-                raise EngineHTTPError(response.status, _error_message(body), path)
+                raise EngineHTTPError(response.status, error_message(body), path)
             if not body:
                 return None
             try:
@@ -212,7 +212,7 @@ class VllmBackend:
         try:
             async with self._session().post(self.url + "/v1/completions", json=payload) as response:
                 if response.status >= 400:
-                    raise EngineHTTPError(response.status, _error_message(await response.read()), "/v1/completions")
+                    raise EngineHTTPError(response.status, error_message(await response.read()), "/v1/completions")
                 async for line in response.content:
                     data = line.decode().strip().removeprefix("data:").strip()
                     if not data or data == "[DONE]":
@@ -309,21 +309,3 @@ def parse_completion(choice: dict[str, Any], *, version: int) -> EngineOutput:
                         text=choice.get("text") or "",
                         weight_versions=[VersionSpan(version, 0, len(ids))] if ids else [],
                         prompt_tokens=len(prompt))
-
-
-def _error_message(body: bytes) -> str:
-    """vLLM's error: OpenAI's {"error": {"message"}}, FastAPI's {"detail"}, or the text."""
-    text = body.decode(errors="replace")
-    try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError:
-        return text.strip()
-    if isinstance(parsed, dict):
-        error = parsed.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-        if "detail" in parsed:
-            return str(parsed["detail"])
-    return text.strip()
