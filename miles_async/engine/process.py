@@ -14,6 +14,7 @@ A subclass gives the command line (`argv`).
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import ctypes
@@ -47,7 +48,7 @@ class ServerStartError(RuntimeError):
     """The server exited or stayed unhealthy while starting; the message quotes its log."""
 
 
-class ServerProcess:
+class ServerProcess(abc.ABC):
     """One server process serving on host:port (module docstring). `env` is added to this
     process's environment; `health_path` answers 200 once the server is ready."""
 
@@ -72,8 +73,9 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @abc.abstractmethod
     def argv(self) -> list[str]:
-        raise NotImplementedError
+        """The command line that starts the server (`command`, its own arguments, `extra_args`)."""
 
     @property
     def returncode(self) -> int | None:

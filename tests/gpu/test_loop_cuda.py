@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+from _support_gpu import cuda_nccl_skip_reason
 
 from miles_async.observe import RunTrace, StepTrace, UpdateTrace, decode_trace
 
@@ -40,15 +40,7 @@ NUM_STEPS = 4
 RUN_TIMEOUT_S = 240.0
 
 
-def _skip_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU and none is visible"
-    if not dist.is_nccl_available():
-        return "this torch build has no NCCL"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+pytestmark = pytest.mark.skipif(cuda_nccl_skip_reason() is not None, reason=str(cuda_nccl_skip_reason()))
 
 NCCL_WEIGHTS = pytest.param("nccl", id="weights-nccl", marks=[
     pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,

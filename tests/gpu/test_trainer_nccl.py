@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+from _support_gpu import cuda_nccl_skip_reason
 
 from miles_async.models import init_model
 from miles_async.trainer.config import TrainerConfig
@@ -19,16 +19,7 @@ from miles_async.trainer.packing import plan_step
 from miles_async.trainer.step import Trainer
 from miles_async.trajectory import TokenData, Trajectory
 
-
-def _skip_reason() -> str | None:
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU and none is visible"
-    if not dist.is_nccl_available():
-        return "this torch build has no NCCL"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+pytestmark = pytest.mark.skipif(cuda_nccl_skip_reason() is not None, reason=str(cuda_nccl_skip_reason()))
 
 
 def sample(tokens: list[int], mask: list[int], logprobs: list[float]) -> Trajectory:
