@@ -15,6 +15,16 @@ the given host only, and hands it to the store (`master_listen_fd`); the trainer
 uses it too (`miles_async.trainer.fsdp`). A member's gloo pairs listen on `local_host`; a group
 whose store is on loopback (one machine) keeps them on loopback.
 
+SGLang's layout (`join(..., sglang=True)`): SGLang 0.5.23 builds its weight-update group with
+`init_custom_process_group` (srt/utils/common.py): a TCP rendezvous whose rank 0 hosts the store,
+`PrefixStore(group_name)`, then torch's `_new_process_group_helper`, which adds
+`f"{group_name}/"` and the device's `"cpu/"` (gloo) or `"cuda/"` (NCCL) and sets the group's
+sequence number through the store (rank 0 writes it, the others wait for it). A member that
+skips either step leaves the others waiting for keys that never come, so the distributed weight
+path joins with the same keys, and the embedded engine's server (engine/weights.py
+`GroupReceiver`) does too: a trainer written for SGLang pushes to it unchanged.
+tests/e2e/test_sglang_conformance.py runs SGLang's own function, read from its wheel, against it.
+
 Try it: `pytest tests/unit/test_transport_groups.py -s`.
 """
 
@@ -111,8 +121,11 @@ class WeightGroup:
     @classmethod
     def join(cls, host: str, port: int, rank: int, world_size: int, *, backend: str = "gloo",
              timeout_s: float = 300.0, name: str = "weights", store: dist.Store | None = None,
-             local_host: str | None = None) -> WeightGroup:
+             local_host: str | None = None, sglang: bool = False) -> WeightGroup:
         """Join the group (blocks until every member has); rank 0 passes the store it opened.
+
+        `sglang`: with SGLang's store keys and sequence-number step (module docstring), `name`
+        being SGLang's `group_name`.
 
         `local_host`: the address this member's gloo connections use (its node's, in a multi-node
         run); without it, loopback when the store is on loopback (all members on this machine),
@@ -128,6 +141,9 @@ class WeightGroup:
         if store is None:
             store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         prefixed = dist.PrefixStore(name, store)
+        if sglang:
+            device = "cuda" if backend == "nccl" else "cpu"
+            prefixed = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{name}/", prefixed))
         pg: Backend
         # The type: ignores below: torch's stubs (torch/_C/_distributed_c10d.pyi) lack what its
         # pybind classes have: NCCL's default `options`, gloo's `_Options` and its constructor
@@ -141,6 +157,8 @@ class WeightGroup:
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
         else:
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        if sglang:  # rank 0 writes a sequence number that the others wait for, as torch's own groups do
+            pg._set_sequence_number_for_group()  # type: ignore[attr-defined]
         return cls(pg, rank, world_size, backend, store)
 
     def start_broadcast(self, tensor: torch.Tensor, src: int) -> dist.Work:

@@ -369,9 +369,9 @@ class GroupReceiver:
     `/update_weights_from_distributed`, `/destroy_weights_update_group`, `/begin_weight_update`,
     `/end_weight_update`).
 
-    A group is a standalone torch.distributed group (transport.groups.WeightGroup, keyed by its
-    name in the store) whose rank 0 is the pusher; the engine is rank `rank_offset` (one rank: no
-    tensor parallelism). Each `receive` takes the tensors the pusher broadcasts, one per name, in
+    A group is a standalone torch.distributed group (transport.groups.WeightGroup, with SGLang's
+    store keys for its name, so a trainer written for SGLang joins it as rank 0) whose rank 0 is
+    the pusher; the engine is rank `rank_offset` (one rank: no tensor parallelism). Each `receive` takes the tensors the pusher broadcasts, one per name, in
     order, into the update target (WeightStore.begin on the first bucket), so an update is
     atomic however many buckets it takes: outside a session it commits when every weight has
     arrived; inside `begin_session` .. `end_session` it commits at the end (which fails, keeping
@@ -396,7 +396,7 @@ class GroupReceiver:
             raise ValueError("backend 'nccl' needs CUDA and this engine has none: use backend 'gloo'")
         self.groups[group_name] = await asyncio.to_thread(
             WeightGroup.join, master_address, master_port, rank_offset, world_size, backend=backend,
-            timeout_s=self.timeout_s, name=group_name)
+            timeout_s=self.timeout_s, name=group_name, sglang=True)
 
     async def destroy_group(self, group_name: str) -> None:
         group = self.groups.pop(group_name, None)

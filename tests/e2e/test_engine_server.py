@@ -679,7 +679,8 @@ def test_weights_over_a_real_gloo_group_from_rank_0_in_buckets(model_dir, tmp_pa
             store = WeightGroup.open_store("127.0.0.1", 2, 30.0)
             joined, group = await asyncio.gather(
                 client.init_weights_update_group("127.0.0.1", store.port, 1, 2, group_name="g", backend="gloo"),
-                asyncio.to_thread(WeightGroup.join, "127.0.0.1", store.port, 0, 2, store=store, name="g"))
+                asyncio.to_thread(WeightGroup.join, "127.0.0.1", store.port, 0, 2, store=store, name="g",
+                                  sglang=True))
             first = await push(client, group, load_pretrained(new_dir).state_dict(), "3")
             after_first = await client.generate(input_ids=prompt, sampling_params=params)
             opened = await client.begin_weight_update()
