@@ -28,6 +28,14 @@ resumed for it (its requests go on under the new weights a moment before the pus
 runs) and keeps it paused (`weights_error`), as a torn embedded engine refuses requests, until a
 good version commits.
 
+An SGLang server can take its updates through its own weight-update group instead (the pusher's
+`distributed` transport, actors/distributed.py, which gives the design): `JoinWeightGroup` has it
+join the pusher's group (leaving the one it held), `ReceiveDistributed` posts each bucket's
+`/update_weights_from_distributed` inside `/begin_weight_update` .. `/end_weight_update` while the
+pusher broadcasts, and `CommitUpdate` then runs the probe against the log-probs the pusher computed
+from the tensors it sent, and makes the version live. A failure midway leaves the server torn:
+paused, with `weights_error`, until a version commits.
+
 Try it: `pytest tests/e2e/test_vllm.py -s` (after `python3 dev.py vllm`).
 """
 
@@ -57,8 +65,10 @@ from miles_async.actors.engine import (
     RandomFill,
     ResumeEngine,
 )
+from miles_async.engine.client import EngineHTTPError
 from miles_async.engine.weights import StaleVersionError
-from miles_async.runtime import Actor, handler
+from miles_async.runtime import Actor, Message, handler
+from miles_async.transport.broadcast import layout_from_json
 from miles_async.transport.errors import TransportError
 from miles_async.transport.verify import checksums, compare
 
@@ -90,6 +100,77 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                              f"{self.kv_cache_mib} and {self.start_timeout_s}")
 
 
+class WeightGroupRanks(Message[int], frozen=True):
+    """How many ranks the server joins a weight-update group with (its tensor-parallel size)."""
+
+
+class JoinWeightGroup(Message[EngineState], frozen=True):
+    """Have the server join the pusher's group `group_name` (SGLang's /init_weights_update_group;
+    the pusher, rank 0, joins concurrently), leaving the group it held before."""
+
+    host: str
+    port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str = "gloo"
+
+
+class ReceiveDistributed(Message[EngineState], frozen=True):
+    """Have the server receive the update the pusher is broadcasting in `group_name`, bucket by bucket
+    (`layout_json`: transport.broadcast's layout); `expected`: the probe's log-probs of `probe_ids`
+    under the pushed weights, checked at CommitUpdate (empty: not verified)."""
+
+    group_name: str
+    layout_json: str
+    probe_ids: list[int] = []
+    expected: list[float] = []
+
+
+def bucket_requests(layout_json: str, label: str, flush_cache: bool) -> list[dict[str, Any]]:
+    """The /update_weights_from_distributed fields of each bucket of an update, in order: the last
+    one carries the version label and the cache flush (actors/distributed.py says why)."""
+    layout = layout_from_json(layout_json)
+    requests = [{"names": [s.name for s in bucket], "dtypes": [s.dtype for s in bucket],
+                 "shapes": [list(s.shape) for s in bucket], "flush_cache": False} for bucket in layout if bucket]
+    if requests:
+        requests[-1] |= {"weight_version": label, "flush_cache": flush_cache}
+    return requests
+
+
+class ProbeReference:
+    """Our own model of `model_dir`, for the probe: the log-probs of a fixed token sequence
+    (PROBE_LENGTH tokens, seeded) under given weights (checkpoint names). Loaded at first use."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model_dir = model_dir
+        self.model: Any = None
+        self.ids: list[int] = []
+
+    def logprobs(self, tensors: dict[str, torch.Tensor]) -> list[float]:
+        """The log-prob of each probe token after the first; TransportError when a weight is missing."""
+        if self.model is None:
+            from miles_async.models import load_pretrained
+
+            self.model = load_pretrained(self.model_dir)
+            generator = torch.Generator().manual_seed(0)
+            self.ids = torch.randint(3, self.model.config.vocab_size, (PROBE_LENGTH,), generator=generator).tolist()
+        model = self.model
+        state = model.state_dict()
+        missing = [n for n in state if n not in tensors and not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
+        if missing:
+            raise TransportError(f"the update lacks {len(missing)} tensor(s), e.g. {missing[:4]}")
+        with torch.no_grad():
+            for name, target in state.items():
+                if name in tensors:
+                    target.copy_(tensors[name])
+            ids = torch.tensor([self.ids])
+            out = model(ids)
+            logits = out[0] if isinstance(out, tuple) else out  # an MoE model adds its routing
+            logp = torch.log_softmax(logits.float(), dim=-1)[0]
+        return logp[:-1].gather(1, ids[0, 1:, None]).squeeze(1).tolist()
+
+
 class ExternalEngineActor(Actor):
     """One external engine of kind `kind` serving `model_dir` (module docstring)."""
 
@@ -117,8 +198,9 @@ class ExternalEngineActor(Actor):
         self.pending: Path | None = None  # the update's file
         self.num_bytes = 0
         self._lease: asyncio.TimerHandle | None = None
-        self._reference: Any = None  # our model, for the probe
-        self._probe_ids: list[int] = []
+        self._reference = ProbeReference(model_dir)
+        self.group_name = ""  # the weight-update group the server holds (the distributed transport)
+        self.received: tuple[list[int], list[float]] | None = None  # a distributed update in, and its probe
         self.tied = False  # the model's embeddings and output projection are one tensor
 
     async def on_start(self) -> None:
@@ -207,7 +289,7 @@ class ExternalEngineActor(Actor):
     async def begin_update(self, msg: BeginUpdate) -> EngineState:
         if msg.version <= self.version:
             raise StaleVersionError(f"weight version {msg.version} is not newer than {self.name}'s {self.version}")
-        self.updating, self.pending = msg.version, None
+        self.updating, self.pending, self.received = msg.version, None, None
         self._cancel_lease()
         self._lease = asyncio.get_running_loop().call_later(msg.lease_s, self._lease_expired, msg.version)
         return self.state()
@@ -225,6 +307,8 @@ class ExternalEngineActor(Actor):
     @handler
     async def commit_update(self, msg: CommitUpdate) -> EngineState:
         self._cancel_lease()
+        if self.updating is not None and self.received is not None:
+            return await self._commit_distributed(self.updating, *self.received)
         if self.updating is None or self.pending is None:
             raise TransportError(f"{self.name}: CommitUpdate with no update file (BeginUpdate, LoadWeightsFile first)")
         version, path = self.updating, self.pending
@@ -241,10 +325,18 @@ class ExternalEngineActor(Actor):
         await asyncio.to_thread(shutil.copyfile, Path(self.model_dir) / "config.json", path.parent / "config.json")
         await _in_task(self.backend.reload_weights(str(path.parent), str(version)))
         if tensors is not None:
-            if self.paused is not None:  # a paused server answers nothing: the probe needs it running
-                await _in_task(self.backend.resume())
-                self.paused = None
-            await self._probe(tensors, version)
+            expected = await asyncio.to_thread(self._reference_logprobs, tensors)
+            await self._probe(self._reference.ids, expected, version)
+        self.weights_error = None
+        self.version, self.label = version, str(version)
+        return self.state()
+
+    async def _commit_distributed(self, version: int, probe_ids: list[int], expected: list[float]) -> EngineState:
+        """The server holds the version (ReceiveDistributed): probe it when the pusher sent the
+        expected log-probs, then make it live."""
+        self.updating = self.received = None
+        if expected:
+            await self._probe(probe_ids, expected, version)
         self.weights_error = None
         self.version, self.label = version, str(version)
         return self.state()
@@ -252,7 +344,7 @@ class ExternalEngineActor(Actor):
     @handler
     async def abort_update(self, msg: AbortUpdate) -> EngineState:
         self._cancel_lease()
-        self.updating = self.pending = None  # nothing reached the server before the commit
+        self.updating = self.pending = self.received = None  # disk: nothing reached the server before the commit
         log.warning("%s: update aborted: %s", self.name, msg.reason)
         return self.state()
 
@@ -268,41 +360,87 @@ class ExternalEngineActor(Actor):
         self.weights_error = "weights zeroed for the verification of the next update"
         return self.state()
 
-    async def _probe(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """The server's log-probs of the probe sequence against our model's on the same weights."""
-        expected = await asyncio.to_thread(self._reference_logprobs, tensors)
-        served = await _in_task(self.backend.prompt_logprobs(self._probe_ids))
+    async def _probe(self, probe_ids: list[int], expected: list[float], version: int) -> None:
+        """The server's log-probs of the probe sequence against our model's on the pushed weights
+        (`expected`). A paused server answers nothing: it is resumed for the probe."""
+        if self.paused is not None:
+            await _in_task(self.backend.resume())
+            self.paused = None
+        served = await _in_task(self.backend.prompt_logprobs(probe_ids))
         worst = max(abs(a - b) for a, b in zip(served, expected))
         if worst > PROBE_TOLERANCE:
-            self.weights_error = (f"weight version {version} failed the probe: the server's log-probs differ from "
-                                  f"the pushed weights' by up to {worst:.3g} (tolerance {PROBE_TOLERANCE:g})")
-            await _in_task(self.backend.pause("abort"))  # and stays paused until a version passes
-            self.paused = "abort"
+            await self._torn(f"weight version {version} failed the probe: the server's log-probs differ from "
+                             f"the pushed weights' by up to {worst:.3g} (tolerance {PROBE_TOLERANCE:g})")
             raise TransportError(f"{self.name}: {self.weights_error}")
         log.info("%s: version %d verified by the probe (max log-prob difference %.2g)", self.name, version, worst)
 
-    def _reference_logprobs(self, tensors: dict[str, torch.Tensor]) -> list[float]:
-        if self._reference is None:
-            from miles_async.models import load_pretrained
+    async def _torn(self, why: str) -> None:
+        """The server holds weights that are not a pushed version: pause it (aborting what it runs)
+        and keep it paused until a version commits."""
+        self.weights_error = why
+        await _in_task(self.backend.pause("abort"))
+        self.paused = "abort"
 
-            self._reference = load_pretrained(self.model_dir)
-            generator = torch.Generator().manual_seed(0)
-            vocab = self._reference.config.vocab_size
-            self._probe_ids = torch.randint(3, vocab, (PROBE_LENGTH,), generator=generator).tolist()
-        model = self._reference
-        state = model.state_dict()
-        missing = [n for n in state if n not in tensors and not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
-        if missing:
-            raise TransportError(f"{self.name}: the update file lacks {len(missing)} tensor(s), e.g. {missing[:4]}")
-        with torch.no_grad():
-            for name, target in state.items():
-                if name in tensors:
-                    target.copy_(tensors[name])
-            ids = torch.tensor([self._probe_ids])
-            out = model(ids)
-            logits = out[0] if isinstance(out, tuple) else out  # an MoE model adds its routing
-            logp = torch.log_softmax(logits.float(), dim=-1)[0]
-        return logp[:-1].gather(1, ids[0, 1:, None]).squeeze(1).tolist()
+    def _reference_logprobs(self, tensors: dict[str, torch.Tensor]) -> list[float]:
+        try:
+            return self._reference.logprobs(tensors)
+        except TransportError as e:
+            raise TransportError(f"{self.name}: {e}") from e
+
+    # ----- SGLang's weight-update group (the distributed transport) -----
+
+    def _group_backend(self) -> Any:
+        if self.kind != "sglang":
+            raise TransportError(f"{self.name}: the distributed transport is SGLang's; a {self.kind} server has no "
+                                 'weight-update group (weights.transport = "disk")')
+        return self.backend
+
+    @handler
+    async def group_ranks(self, msg: WeightGroupRanks) -> int:
+        return await _in_task(self._group_backend().group_ranks())
+
+    @handler
+    async def join_weight_group(self, msg: JoinWeightGroup) -> EngineState:
+        backend = self._group_backend()
+        if self.group_name:  # the pusher formed a new group: leave the old (a restarted server holds none)
+            old, self.group_name = self.group_name, ""
+            try:
+                await _in_task(backend.leave_weight_group(old))
+            except EngineHTTPError as e:
+                log.info("%s: leaving weight-update group %s: %s", self.name, old, e.message)
+        await _in_task(backend.join_weight_group(msg.host, msg.port, msg.rank_offset, msg.world_size,
+                                                 msg.group_name, msg.backend))
+        self.group_name = msg.group_name
+        return self.state()
+
+    @handler
+    async def receive_distributed(self, msg: ReceiveDistributed) -> EngineState:
+        """Post every bucket inside one weight-update session while the pusher broadcasts it."""
+        backend = self._group_backend()
+        if self.updating is None:
+            raise TransportError(f"{self.name}: ReceiveDistributed without BeginUpdate")
+        if msg.group_name != self.group_name:
+            raise TransportError(f"{self.name}: the server is not in weight-update group {msg.group_name} "
+                                 f"(it holds {self.group_name or 'none'}): JoinWeightGroup first")
+        requests = bucket_requests(msg.layout_json, str(self.updating), flush_cache=self.paused == "abort")
+        await _in_task(backend.begin_weight_update())
+        num_sent = 0
+        try:
+            for request in requests:
+                num_sent += 1
+                await _in_task(backend.receive_weights(request, msg.group_name))
+        except BaseException as e:
+            if num_sent:
+                await self._torn(f"the server holds a partial update to version {self.updating} (bucket "
+                                 f"{num_sent} of {len(requests)} failed: {e})")
+            raise  # the pusher forms a new group: JoinWeightGroup leaves this one
+        finally:
+            try:
+                await _in_task(backend.end_weight_update())  # SGLang opens no session while one is open
+            except EngineHTTPError as e:
+                log.warning("%s: /end_weight_update: %s", self.name, e.message)
+        self.received = (msg.probe_ids, msg.expected)
+        return self.state()
 
     # ----- the lease -----
 
@@ -315,7 +453,7 @@ class ExternalEngineActor(Actor):
         self._lease = None
         if self.updating == version:
             log.warning("%s: no commit of weight version %d in time: the update is dropped", self.name, version)
-            self.updating = self.pending = None
+            self.updating = self.pending = self.received = None
             asyncio.get_running_loop().create_task(self._resume_after_lease())
 
     async def _resume_after_lease(self) -> None:

@@ -217,13 +217,14 @@ class Fleet:
 
     def sync_config(self) -> WeightSyncConfig:
         """The recipe's `[weights]` with what the run sets: the model family, node 0's address, the
-        pause mode of `rollout.partial`, the run folder's delta folder, and the transport of "auto"
-        (`transport_for`)."""
+        pause mode of `rollout.partial`, the run folder's delta folder, the model folder (the
+        distributed transport's probe) and the transport of "auto" (`transport_for`)."""
         cfg = self.config
         return msgspec.structs.replace(
             cfg.weights, family=self.folder.family, host=self.nodes[0].host,
             pause_mode="in_place" if cfg.rollout.partial == "continue" else "abort",
-            delta_dir=str(self.folder.run_dir / "deltas"), transport=self.transport)
+            delta_dir=str(self.folder.run_dir / "deltas"), transport=self.transport,
+            model_dir=str(self.folder.model_dir))
 
     @property
     def transport(self) -> str:

@@ -123,9 +123,14 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                              + ("it needs [agent] agent and environment (e.g. miles_async.tasks.calculator:agent and "
                                 ":CalculatorEnv)" if multi_turn else "[agent] goes only with a multi-turn task"))
         backend, transport = self.rollout.backend, self.weights.transport
-        if backend != "embedded" and transport not in ("auto", "disk"):
+        if transport == "distributed" and backend != "sglang":
+            fix = '"broadcast" (our engine\'s group)' if backend == "embedded" else '"disk" (or "auto")'
+            raise ValueError(f'weights.transport = "distributed" is SGLang\'s weight-update group, for rollout.backend '
+                             f'= "sglang"; {backend} engines cannot join it: use {fix}')
+        if backend != "embedded" and transport not in ("auto", "disk", "distributed"):
             raise ValueError(f'weights.transport = "{transport}" cannot reach a {backend} server: its weights are '
-                             'reloaded from files the run writes (use "disk", or "auto" to let the run pick)')
+                             'reloaded from files the run writes (use "disk", or "auto" to let the run pick'
+                             + ('; "distributed" for SGLang\'s weight-update group)' if backend == "sglang" else ")"))
         if backend != "embedded" and self.rollout.server.url and self.rollout.num_engines != 1:
             raise ValueError(f"rollout.server.url attaches to one running server, but rollout.num_engines is "
                              f"{self.rollout.num_engines}")
@@ -138,6 +143,13 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise ValueError('weights.transport = "shm" needs the engines on the controller\'s node; with '
                              'placement.engines on other nodes use "stream" (authenticated), "broadcast" or '
                              '"disk_delta" (a shared filesystem)')
+        device = self.rollout.engine.device
+        if backend == "embedded" and transport == "shm" and device not in ("cpu", "auto"):
+            raise ValueError(f'weights.transport = "shm" keeps the engines\' weights in CPU shared memory, but '
+                             f'rollout.engine.device = "{device}": use "broadcast" or "stream" for engines on a GPU')
+        if backend == "embedded" and transport == "broadcast" and self.weights.backend == "nccl" and device == "cpu":
+            raise ValueError('weights.backend = "nccl" moves GPU memory only, but rollout.engine.device = "cpu": set '
+                             'it to "cuda" (or "auto"), or use weights.backend = "gloo"')
         self.placement.trainer_nodes(self.trainer.world_size)  # one node per rank, when listed
         task_config(self.task)  # [task.config] fits the plug-in's Config
 

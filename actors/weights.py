@@ -25,6 +25,10 @@ One push, whatever the transport (`WeightSyncConfig.transport`):
        engine's registered target (`[rdma]` extra; runs only where an RDMA device is);
      - stream: `BeginUpdate`, then each engine fetches the version from this actor's ZeroMQ socket
        (`ReceiveStream`), CURVE-authenticated with the run's key when the run has one (multi-node);
+     - distributed (SGLang servers only): `BeginUpdate`, then SGLang's own weight-update group: this
+       actor is rank 0 and broadcasts one tensor at a time while each server's actor posts the
+       bucket's `/update_weights_from_distributed` (actors/distributed.py); verified by the probe,
+       whose expected log-probs this actor computes from what it sends (`model_dir`);
   5. commit: each engine verifies the per-tensor checksums it is sent (when verifying), then makes
      the version live (bump); 6. resume the engines.
 A failure midway aborts the update on every engine (a double-buffered engine keeps serving its
@@ -66,6 +70,8 @@ from miles_async.actors.engine import (
     ReceiveBroadcast,
     ResumeEngine,
 )
+from miles_async.actors.distributed import DistributedPush
+from miles_async.actors.external import ProbeReference
 from miles_async.actors.trainer import WeightManifest
 from miles_async.engine.core import PAUSE_MODES
 from miles_async.engine.weights import StaleVersionError
@@ -79,10 +85,11 @@ from miles_async.transport.verify import checksums, compare
 
 T = TypeVar("T")
 log = logging.getLogger("miles_async.actors.weights")
-TRANSPORTS = ("colocated", "broadcast", "shm", "disk", "disk_delta", "rdma", "stream")
+TRANSPORTS = ("colocated", "broadcast", "shm", "disk", "disk_delta", "rdma", "stream", "distributed")
 AUTO = "auto"  # a recipe's: the run picks (actors/fleet.py, Fleet.sync_config)
 VERIFY = ("never", "first", "always")
 Source = Callable[[], Mapping[str, torch.Tensor]]
+Probe = tuple[list[int], list[float]]  # the probe's token ids and their expected log-probs
 
 
 class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -98,10 +105,11 @@ class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     verify_seed: int = 0
     delta_dir: str = ""  # disk, disk_delta: a folder every engine can read
     keep_deltas: int = 2  # disk, disk_delta: how many pushed versions stay on disk
-    backend: str = "gloo"  # broadcast: gloo on CPU, nccl on GPU
+    backend: str = "gloo"  # broadcast, distributed: gloo on CPU, nccl on GPU
     host: str = "127.0.0.1"  # broadcast: where this actor's group store listens
     lease_s: float = 300.0  # an engine aborts an update not committed within this
     timeout_s: float = 600.0  # for each engine step of a push
+    model_dir: str = ""  # distributed: the model folder, for the probe's reference (the run sets it)
 
     def __post_init__(self) -> None:
         checks = (("transport", (*TRANSPORTS, AUTO)), ("verify", VERIFY), ("backend", BACKENDS),
@@ -159,6 +167,9 @@ class WeightPusher(Actor):
         if config.transport in ("disk", "disk_delta") and not config.delta_dir:
             raise ValueError(f"WeightSyncConfig.delta_dir is required for transport {config.transport!r} "
                              "(a folder every engine can read)")
+        if config.transport == "distributed" and not config.model_dir and config.verify != "never":
+            raise ValueError('WeightSyncConfig.model_dir is required for transport "distributed" when verifying '
+                             "(the probe's reference model is built from it)")
         if config.transport == "rdma":
             from miles_async.transport.rdma import require_pyverbs
 
@@ -174,6 +185,8 @@ class WeightPusher(Actor):
         self._verified_once = False
         self._base: dict[str, torch.Tensor] | None = None  # disk_delta: the engines' current version
         self._base_version = -1
+        self._distributed = DistributedPush(config.host, config.backend, config.timeout_s, self._on_thread)
+        self._probe_reference = ProbeReference(config.model_dir)
 
     async def on_start(self) -> None:
         self.refs = [await self.system.lookup(name, timeout_s=self.config.timeout_s) for name in self.engine_names]
@@ -248,10 +261,13 @@ class WeightPusher(Actor):
         if verify and not self._verified_once:
             await self._ask_all(RandomFill(seed=cfg.verify_seed))
         expected = await self._on_thread(checksums, cast) if verify else None
+        probe = None
+        if verify and cfg.transport == "distributed":  # before pausing: the engines keep generating meanwhile
+            probe = await self._on_thread(self._probe_expected, cast)
         start = time.perf_counter()
         before = list(self.engine_names)
         try:
-            await self._attempt(msg.version, converted, cast, expected)
+            await self._attempt(msg.version, converted, cast, expected, probe)
         except Exception:
             # An engine that died mid-push (its node cut off or killed) breaks a broadcast for all:
             # find the dead (some may have been dropped on the way already), forget them, and push
@@ -262,7 +278,7 @@ class WeightPusher(Actor):
                 raise
             log.warning("engines %s died during the push of version %d: pushing again to %s", ", ".join(dead),
                         msg.version, ", ".join(self.engine_names))
-            await self._attempt(msg.version, converted, cast, expected)
+            await self._attempt(msg.version, converted, cast, expected, probe)
         seconds = time.perf_counter() - start
         self._verified_once = self._verified_once or verify
         num_bytes = sum(t.numel() * t.element_size() for t in cast.values())
@@ -271,13 +287,13 @@ class WeightPusher(Actor):
                           engines=await self._ask_all(EngineStatus()))
 
     async def _attempt(self, version: int, converted: dict[str, torch.Tensor], cast: dict[str, torch.Tensor],
-                       expected: dict[str, str] | None) -> None:
+                       expected: dict[str, str] | None, probe: Probe | None = None) -> None:
         """Pause the engines, move the weights, commit; on failure each engine aborts the update."""
         cfg = self.config
         if cfg.pause_mode != "none":
             await self._ask_all(PauseEngine(mode=cfg.pause_mode))
         try:
-            await self._move(version, converted, cast, expected)
+            await self._move(version, converted, cast, expected, probe)
         except BaseException as e:
             await asyncio.gather(*(ref.ask(AbortUpdate(reason=f"the pusher failed: {type(e).__name__}: {e}"),
                                            timeout_s=cfg.timeout_s) for ref in self.refs), return_exceptions=True)
@@ -311,7 +327,7 @@ class WeightPusher(Actor):
         return convert(self.config.family, named)
 
     async def _move(self, version: int, converted: dict[str, torch.Tensor], cast: dict[str, torch.Tensor],
-                    expected: dict[str, str] | None) -> None:
+                    expected: dict[str, str] | None, probe: Probe | None = None) -> None:
         transport = self.config.transport
         if transport == "colocated":
             for name in self.engine_names:
@@ -333,6 +349,10 @@ class WeightPusher(Actor):
                 await self._rdma_write(ref, buckets)
         elif transport == "stream":
             await self._stream(buckets)
+        elif transport == "distributed":  # the servers' probe verifies (checksums need the bytes there)
+            await self._distributed.push(self.refs, buckets, probe)
+            await self._ask_all(CommitUpdate())
+            return
         else:
             await self._broadcast(buckets)
         await self._ask_all(CommitUpdate(checksums=expected))
@@ -395,7 +415,12 @@ class WeightPusher(Actor):
             await self._forget([ref.name for ref, r in zip(self.refs, results) if isinstance(r, ActorDeadError)])
             raise errors[0]
 
+    def _probe_expected(self, cast: dict[str, torch.Tensor]) -> Probe:
+        expected = self._probe_reference.logprobs(cast)  # loads the model and draws the ids at first use
+        return list(self._probe_reference.ids), expected
+
     async def _close_group(self) -> None:
+        await self._distributed.close()
         if self.group is not None:
             group, self.group = self.group, None
             await self._on_thread(group.close)

@@ -158,7 +158,7 @@ class WeightGroup:
         else:
             pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         if sglang:  # rank 0 writes a sequence number that the others wait for, as torch's own groups do
-            pg._set_sequence_number_for_group()  # type: ignore[attr-defined]
+            pg._set_sequence_number_for_group()
         return cls(pg, rank, world_size, backend, store)
 
     def start_broadcast(self, tensor: torch.Tensor, src: int) -> dist.Work:

@@ -15,6 +15,8 @@ Weight updates are not here: they go through the engine's actor (`actors/engine.
 embedded engine, `actors/external.py` for a server of another project), which owns the server
 process. The external one drives them through `WeightAdmin`: SGLang's `/update_weights_from_disk`,
 vLLM's in-place reload; both answer prompt log-probs for the probe that verifies an update.
+`SGLangBackend` also speaks SGLang's weight-update group (join, begin, receive per bucket, end,
+leave: the distributed transport, actors/distributed.py).
 """
 
 from __future__ import annotations
@@ -167,9 +169,7 @@ class SGLangBackend:
     # ----- WeightAdmin -----
 
     async def reload_weights(self, folder: str, label: str) -> None:
-        reply = await self.client.update_weights_from_disk(folder, weight_version=label)
-        if isinstance(reply, dict) and reply.get("success") is False:
-            raise EngineHTTPError(400, str(reply.get("message")), "/update_weights_from_disk")
+        _succeeded(await self.client.update_weights_from_disk(folder, weight_version=label), "/update_weights_from_disk")
 
     async def set_weight_version(self, label: str) -> None:
         await self.client.update_weight_version(label, abort_all_requests=False)
@@ -181,6 +181,43 @@ class SGLangBackend:
         out = await self.client.generate(input_ids=input_ids, sampling_params={"max_new_tokens": 1, "temperature": 0.0},
                                          return_logprob=True, logprob_start_len=0)
         return [float(entry[0]) for entry in out["meta_info"]["input_token_logprobs"][1:]]
+
+    # ----- SGLang's weight-update group: the distributed transport (actors/distributed.py) -----
+
+    async def group_ranks(self) -> int:
+        """The ranks this server puts in a weight-update group: one per tensor-parallel rank."""
+        return int((await self.client.server_info()).get("tp_size", 1))
+
+    async def join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                group_name: str, backend: str) -> None:
+        """/init_weights_update_group: returns once the server has joined (the caller joins concurrently)."""
+        _succeeded(await self.client.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, group_name=group_name, backend=backend),
+            "/init_weights_update_group")
+
+    async def leave_weight_group(self, group_name: str) -> None:
+        _succeeded(await self.client.destroy_weights_update_group(group_name), "/destroy_weights_update_group")
+
+    async def begin_weight_update(self) -> None:
+        _succeeded(await self.client.begin_weight_update(), "/begin_weight_update")
+
+    async def receive_weights(self, request: Mapping[str, Any], group_name: str) -> None:
+        """/update_weights_from_distributed for one bucket (`request`: names, dtypes, shapes,
+        weight_version, flush_cache); returns once the server has received what the caller broadcasts."""
+        _succeeded(await self.client.update_weights_from_distributed(
+            request["names"], request["dtypes"], request["shapes"], group_name=group_name,
+            weight_version=request.get("weight_version"), flush_cache=request.get("flush_cache", False)),
+            "/update_weights_from_distributed")
+
+    async def end_weight_update(self) -> None:
+        _succeeded(await self.client.end_weight_update(), "/end_weight_update")
+
+
+def _succeeded(reply: Any, path: str) -> None:
+    """SGLang's weight endpoints answer {"success": false, "message"} (mostly with HTTP 400, which
+    the client raises already): raise that too."""
+    if isinstance(reply, dict) and reply.get("success") is False:
+        raise EngineHTTPError(400, str(reply.get("message")), path)
 
 
 def connect(kind: Backend, url: str, *, api_key: str | None = None, timeout_s: float = 600.0) -> EngineBackend:

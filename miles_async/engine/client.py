@@ -239,8 +239,13 @@ class EngineClient:
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
                                               group_name: str = "weight_update_group",
-                                              weight_version: str | None = None) -> dict[str, Any]:
-        payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name}
+                                              weight_version: str | None = None,
+                                              flush_cache: bool = True) -> dict[str, Any]:
+        """POST /update_weights_from_distributed; returns once the engine has received every tensor
+        named (the caller broadcasts them concurrently). SGLang 0.5.23 takes it only inside
+        /begin_weight_update .. /end_weight_update, and fails it when `flush_cache` finds requests held."""
+        payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                                   "flush_cache": flush_cache}
         if weight_version is not None:
             payload["weight_version"] = weight_version
         return await self._request("POST", "/update_weights_from_distributed", payload)

@@ -371,11 +371,12 @@ class GroupReceiver:
 
     A group is a standalone torch.distributed group (transport.groups.WeightGroup, with SGLang's
     store keys for its name, so a trainer written for SGLang joins it as rank 0) whose rank 0 is
-    the pusher; the engine is rank `rank_offset` (one rank: no tensor parallelism). Each `receive` takes the tensors the pusher broadcasts, one per name, in
-    order, into the update target (WeightStore.begin on the first bucket), so an update is
-    atomic however many buckets it takes: outside a session it commits when every weight has
-    arrived; inside `begin_session` .. `end_session` it commits at the end (which fails, keeping
-    the previous version on a double-buffered engine, if weights are missing).
+    the pusher; the engine is rank `rank_offset` (one rank: no tensor parallelism). Each `receive`
+    takes the tensors the pusher broadcasts, one per name, in order, into the update target
+    (WeightStore.begin on the first bucket), so an update is atomic however many buckets it takes:
+    outside a session it commits when every weight has arrived; inside `begin_session` ..
+    `end_session` it commits at the end (which fails, keeping the previous version on a
+    double-buffered engine, if weights are missing).
     """
 
     def __init__(self, engine: Engine, timeout_s: float = 300.0) -> None:

@@ -12,7 +12,10 @@ keys srt/managers/tokenizer_manager.py and srt/utils/weight_versions.py write, t
     that route takes (sampling_params: of SGLang's SamplingParams);
   - parse_output over a recording dict: each meta_info key it reads is one SGLang writes;
   - our embedded server: its routes are SGLang's (but /get_load, sglang-router's), and the keys of
-    its /generate, /model_info, /server_info and /v1/loads answers are keys SGLang writes there.
+    its /generate, /model_info, /server_info and /v1/loads answers are keys SGLang writes there;
+  - the weight-update group: SGLang's own `init_custom_process_group` (srt/utils/common.py, run
+    from the wheel's source in a child process) joins as rank 1 the group our pusher forms as rank
+    0 (`WeightGroup.join(sglang=True)`), and receives its broadcasts.
 What was checked is printed (`pytest -s`) and written to .cache/sglang_conformance.json.
 
     pytest tests/e2e/test_sglang_conformance.py -s
@@ -33,12 +36,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from aiohttp import web
 
+from miles_async.actors.external import bucket_requests
 from miles_async.engine.backend import GenerateParams, SGLangBackend
 from miles_async.engine.client import EngineClient, parse_output
 from miles_async.engine.core import Engine, EngineConfig
 from miles_async.engine.server import EngineServer, create_app
+from miles_async.transport.broadcast import layout_of, layout_to_json
+from miles_async.transport.groups import WeightGroup
 
 SGLANG = "sglang==0.5.23"
 ROOT = Path(__file__).resolve().parents[2]
@@ -272,7 +279,14 @@ async def exercise_client(url: str) -> set[str]:
     _ = [o async for o in backend.generate_stream([1, 2], params, version=0, rid="b2")]
     for name, call in (("abort", backend.abort("b")), ("abort_all", backend.abort()), ("pause", backend.pause("retract")),
                        ("resume", backend.resume()), ("flush_cache", backend.flush_cache()),
-                       ("health", backend.health())):
+                       ("health", backend.health()), ("group_ranks", backend.group_ranks()),
+                       # the distributed transport's conversation (actors/external.py), every field set
+                       ("join_weight_group", backend.join_weight_group("127.0.0.1", 1, 1, 2, "g", "gloo")),
+                       ("begin_weight_update", backend.begin_weight_update()),
+                       ("receive_weights", backend.receive_weights(
+                           bucket_requests(layout_to_json(layout_of([[("w", torch.zeros(2))]])), "4", True)[0], "g")),
+                       ("end_weight_update", backend.end_weight_update()),
+                       ("leave_weight_group", backend.leave_weight_group("g"))):
         await call
     await backend.close()
     async with EngineClient(url) as client:
@@ -289,7 +303,7 @@ async def exercise_client(url: str) -> set[str]:
             "init_weights_update_group": client.init_weights_update_group("127.0.0.1", 1, 1, 2, group_name="g",
                                                                           backend="gloo"),
             "update_weights_from_distributed": client.update_weights_from_distributed(
-                ["w"], ["float32"], [[2]], group_name="g", weight_version="4"),
+                ["w"], ["float32"], [[2]], group_name="g", weight_version="4", flush_cache=False),
             "destroy_weights_update_group": client.destroy_weights_update_group("g"),
             "begin_weight_update": client.begin_weight_update(), "end_weight_update": client.end_weight_update(),
         }
@@ -400,3 +414,42 @@ def test_our_servers_routes_and_answers_have_sglangs_keys(sglang, model_dir):
     sglang.record("server /model_info keys", sorted(info))
     sglang.record("server /server_info keys (ServerArgs fields and server_info's own)", sorted(server_info))
     sglang.record("server /v1/loads keys", {"top": sorted(loads), "per rank": sorted(loads["loads"][0])})
+
+
+# ----- the weight-update group, against SGLang's own code -----
+
+SGLANG_MEMBER = """
+import ast, sys, zipfile, torch
+wheel, port, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+source = zipfile.ZipFile(wheel).read("sglang/srt/utils/common.py").decode()
+fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "init_custom_process_group")
+release = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+scope = {"torch": torch, "torch_release": release}
+exec(compile(ast.Module(body=[fn], type_ignores=[]), "sglang/srt/utils/common.py", "exec"), scope)
+group = scope["init_custom_process_group"](backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2,
+                                           rank=1, group_name=name)
+for shape, dtype in ((2, 3), torch.float32), ((4,), torch.bfloat16):  # as receive_weights_from_distributed does
+    tensor = torch.empty(shape, dtype=dtype)
+    torch.distributed.broadcast(tensor, src=0, group=group)
+    print(tensor.float().sum().item())
+"""
+
+
+def test_sglangs_own_group_code_joins_the_pushers_group_and_receives(sglang, tmp_path):
+    """The store keys and the sequence-number step must be SGLang's, or its member waits forever."""
+    from miles_async.actors.distributed import send_tensors
+
+    store = WeightGroup.open_store("127.0.0.1", 2, 30)
+    member = subprocess.Popen([sys.executable, "-c", SGLANG_MEMBER, str(_wheel()), str(store.port), "miles-g"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        group = WeightGroup.join("127.0.0.1", store.port, 0, 2, store=store, name="miles-g", sglang=True,
+                                 timeout_s=30)
+        send_tensors([[("a", torch.ones(2, 3))], [("b", torch.full((4,), 0.5, dtype=torch.bfloat16))]], group, "cpu")
+        out, err = member.communicate(timeout=TIMEOUT_S)
+        group.close()
+    finally:
+        member.kill()
+    assert member.returncode == 0, err[-2000:]
+    assert [float(x) for x in out.split()] == [6.0, 2.0]
+    sglang.record("weight-update group: SGLang's init_custom_process_group joined our rank 0 (gloo)", True)

@@ -11,7 +11,7 @@ from miles_async.actors.weights import WeightPusher, WeightSyncConfig
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"transport": "pigeon"}, "transport='pigeon' is not one of colocated, broadcast, shm, disk, disk_delta, rdma, stream, auto"),
+    ({"transport": "pigeon"}, "transport='pigeon' is not one of colocated, broadcast, shm, disk, disk_delta, rdma, stream, distributed, auto"),
     ({"verify": "sometimes"}, "verify='sometimes'"),
     ({"pause_mode": "nap"}, "pause_mode='nap'"),
     ({"family": "gpt2"}, "family='gpt2' is not one of llama"),
