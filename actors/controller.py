@@ -64,6 +64,7 @@ from miles_async.actors.fleet import (
     Node,
     RunFolder,
     RunSetupError,
+    one_node_gpus,
     resolve_transport,
 )
 from miles_async.actors.liveness import Liveness
@@ -214,7 +215,8 @@ class Controller:
                 if self.system is None:  # one node: this run's own actor system
                     self.system = await stack.enter_async_context(ActorSystem("controller", config=self.runtime))
                 if self.nodes is None:
-                    self.nodes = {0: Node(rank=0, host="127.0.0.1", spawner=LocalSpawner(self.system))}
+                    self.nodes = {0: Node(rank=0, host="127.0.0.1", spawner=LocalSpawner(self.system),
+                                          num_gpus=one_node_gpus(self.config))}
                 self.fleet = Fleet(self.config, self.folder, self.system, self.nodes, self.engine_api_key)
                 await self.fleet.start()
                 if self.task.multi_turn:  # the TITO session server, routing sessions to the engines

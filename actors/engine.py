@@ -9,7 +9,12 @@ than the engine's) and says where to write it (the shared segment, for the shm t
 the transport moves the bytes (`ReceiveBroadcast` joins a broadcast, `LoadWeightsFile` and
 `ApplyDelta` read from a shared folder, a pusher in another process writes the segment itself);
 `CommitUpdate` verifies (if checksums come with it) and makes the version live. Produces:
-`EngineState` (version, pause, torn reason) after each of them.
+`EngineState` (version, pause, torn reason, device) after each of them.
+
+Device: the engine runs where `EngineConfig.device` says (`rollout.engine.device`; a one-node run
+gives each engine on "cuda"/"auto" a GPU of its own through CUDA_VISIBLE_DEVICES). A broadcast over
+NCCL lands straight in its GPU weights; over gloo, in its weights on a CPU engine, or in host
+tensors then copied to the GPU.
 
 An update is leased: if no `CommitUpdate` arrives within `BeginUpdate.lease_s` (the pusher died,
 a bucket was lost), the engine aborts it and resumes generation: a double-buffered engine
@@ -61,6 +66,7 @@ class EngineState(msgspec.Struct, frozen=True, kw_only=True):
     target_segment: str | None = None  # shm: where a pusher writes the update in progress
     url: str | None = None  # the HTTP API, when served
     pid: int = 0  # the engine's process
+    device: str = "cpu"  # of its weights and KV cache (EngineConfig.device, resolved: e.g. "cuda:0")
 
 
 # -- messages -------------------------------------------------------------------------------
@@ -217,7 +223,8 @@ class EngineActor(Actor):
             name=self.name, version=w.version, label=w.label, paused=self.engine.stats().paused,
             weights_error=w.serving_error(), updating=w.updating, dtype=self.dtype, num_bytes=w.nbytes,
             target_segment=w.target_segment if w.updating is not None else None,
-            url=self.server.url if self.server is not None else None, pid=os.getpid())
+            url=self.server.url if self.server is not None else None, pid=os.getpid(),
+            device=str(self.engine.device))
 
     # ----- generation -----
 
@@ -256,6 +263,13 @@ class EngineActor(Actor):
 
     @handler
     async def receive_broadcast(self, msg: ReceiveBroadcast) -> EngineState:
+        """NCCL receives straight into the engine's GPU weights; gloo into them on a CPU engine, and
+        into host tensors that are then copied in on a GPU one (gloo moves host memory)."""
+        device = self.engine.device
+        if msg.backend == "nccl" and device.type != "cuda":
+            raise ValueError(f"weights.backend = \"nccl\" moves GPU memory only, and this engine runs on {device}: "
+                             "set rollout.engine.device = \"cuda\" (or \"auto\" on a GPU), or use weights.backend = "
+                             "\"gloo\"")
         if self.group is None or self.group_id != msg.group_id:
             if self.group is not None:
                 await compute.run(self.group.close)
@@ -265,15 +279,20 @@ class EngineActor(Actor):
                 timeout_s=msg.timeout_s, local_host=self.http[0]))
             self.group_id = msg.group_id
         layout = layout_from_json(msg.layout_json)
-        target = self.engine.weights.target()
+        weights = self.engine.weights
+        in_place = device.type == "cpu" or msg.backend == "nccl"
         try:
-            device = next(iter(target.values())).device  # NCCL receives into device memory
-            await compute.run(functools.partial(recv_buckets, layout, self.group, out=target, device=device))
+            received = await compute.run(functools.partial(
+                recv_buckets, layout, self.group, out=weights.target() if in_place else None,
+                device=device if in_place else "cpu"))
         except Exception:
             await compute.run(self.group.close)  # a broken collective leaves the group unusable
             self.group = None
             raise
-        self.engine.weights.mark_written(spec.name for bucket in layout for spec in bucket)
+        if in_place:
+            weights.mark_written(received)
+        else:
+            await compute.run(weights.write, received)
         return self.state()
 
     @handler

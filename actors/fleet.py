@@ -143,7 +143,19 @@ class Node:
     rank: int
     host: str
     spawner: Spawner
-    num_gpus: int = 0  # 0: CPU only (or GPUs left to the processes: a one-node run)
+    num_gpus: int = 0  # 0: CPU only (or GPUs left to the processes: a one-node run of CPU engines)
+
+
+def one_node_gpus(config: RunConfig) -> int:
+    """The GPUs node 0 of a one-node run hands out (`Fleet._gpu_env`): this machine's, when its
+    embedded engines go on a GPU the run picks (`rollout.engine.device` "cuda" or "auto"), so each
+    engine gets one of its own after the trainer ranks'; else 0, every process seeing all GPUs (an
+    engine on the CPU, or on the "cuda:N" the recipe names)."""
+    if config.rollout.backend != "embedded" or config.rollout.engine.device not in ("cuda", "auto"):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,10 @@ one). So decoding requests (one query each) are bucketed by length, a bucket clo
 next request is much shorter, and prefill chunks (many queries each) form their own group; a
 step with requests of similar lengths runs one call per layer.
 
+Device: the plan's index tensors and masks are made on the KV cache's device (`build_plan`'s
+`device`), and nothing in a step reads a tensor back to the host, so on a GPU a layer's attention
+queues kernels without waiting for them.
+
 Tensor names (STYLE rule 10): T packed tokens of the step, G requests in a group, Q queries per
 request (padded), S key positions (padded to whole blocks), N query heads, K kv heads, H head dim.
 """
@@ -52,8 +56,10 @@ class AttentionGroup:
     q_index_GQ: torch.Tensor  # packed row of each query (padding repeats a valid row)
     blocks_F: torch.Tensor  # flattened [G, S / block_size] block table
     mask_G1QS: torch.Tensor  # additive: 0 where the query sees the key, -inf elsewhere
-    valid_GQ: torch.Tensor | None  # which queries are real (None: all)
-    out_index_V: torch.Tensor  # packed rows of the real queries, in valid_GQ order
+    # (group row, query) of each real query, row-major (None: all are real). Indices, not a
+    # boolean mask: indexing by a mask counts its True entries first, a read back to the host.
+    valid_GV: tuple[torch.Tensor, torch.Tensor] | None
+    out_index_V: torch.Tensor  # packed rows of the real queries, in valid_GV order
     num_positions: int  # S
     q_pos_GQ: torch.Tensor  # each query's position (padding at 0), for the batch-invariant kernel
 
@@ -63,11 +69,12 @@ class StepPlan:
     positions_T: torch.Tensor
     write_slots_T: torch.Tensor
     groups: tuple[AttentionGroup, ...]
-    last_index_R: torch.Tensor  # packed row of each chunk's last token
+    last_rows: list[int]  # packed row of each chunk's last token
 
 
-def build_plan(chunks: Sequence[ScheduledChunk], block_size: int) -> StepPlan:
-    """Index tensors for one step; chunks are packed in the order given."""
+def build_plan(chunks: Sequence[ScheduledChunk], block_size: int,
+               device: torch.device | str = "cpu") -> StepPlan:
+    """Index tensors for one step, on `device` (the KV cache's); chunks are packed in the order given."""
     positions: list[int] = []
     slots: list[int] = []
     offsets: list[int] = []
@@ -78,15 +85,15 @@ def build_plan(chunks: Sequence[ScheduledChunk], block_size: int) -> StepPlan:
             slots.append(chunk.block_table[p // block_size] * block_size + p % block_size)
     decode = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
     prefill = [i for i, c in enumerate(chunks) if c.num_tokens > 1]
-    groups = [_group(chunks, offsets, rows, block_size) for rows in _decode_buckets(chunks, decode, block_size)]
+    groups = [_group(chunks, offsets, rows, block_size, device)
+              for rows in _decode_buckets(chunks, decode, block_size)]
     if prefill:
-        groups.append(_group(chunks, offsets, prefill, block_size))
-    last = [offsets[i] + c.num_tokens - 1 for i, c in enumerate(chunks)]
+        groups.append(_group(chunks, offsets, prefill, block_size, device))
     return StepPlan(
-        positions_T=torch.tensor(positions, dtype=torch.long),
-        write_slots_T=torch.tensor(slots, dtype=torch.long),
+        positions_T=torch.tensor(positions, dtype=torch.long, device=device),
+        write_slots_T=torch.tensor(slots, dtype=torch.long, device=device),
         groups=tuple(groups),
-        last_index_R=torch.tensor(last, dtype=torch.long),
+        last_rows=[offsets[i] + c.num_tokens - 1 for i, c in enumerate(chunks)],
     )
 
 
@@ -111,32 +118,36 @@ def _decode_buckets(chunks: Sequence[ScheduledChunk], rows: list[int], block_siz
     return buckets
 
 
-def _group(chunks: Sequence[ScheduledChunk], offsets: list[int], rows: list[int], block_size: int) -> AttentionGroup:
+def _group(chunks: Sequence[ScheduledChunk], offsets: list[int], rows: list[int], block_size: int,
+           device: torch.device | str) -> AttentionGroup:
     num_queries = max(chunks[i].num_tokens for i in rows)
     num_blocks = max(-(-(chunks[i].start + chunks[i].num_tokens) // block_size) for i in rows)
-    q_index, q_pos, valid, blocks = [], [], [], []
-    for i in rows:
+    q_index, q_pos, blocks = [], [], []
+    valid_g, valid_q, out_index = [], [], []  # the real queries: group row, query, packed row
+    for g, i in enumerate(rows):
         chunk = chunks[i]
         n = chunk.num_tokens
         q_index.append([offsets[i] + min(j, n - 1) for j in range(num_queries)])
         # A padded query stands at position 0 so its row of the mask is not all -inf (NaN).
         q_pos.append([chunk.start + j if j < n else 0 for j in range(num_queries)])
-        valid.append([j < n for j in range(num_queries)])
+        valid_g.extend([g] * n)
+        valid_q.extend(range(n))
+        out_index.extend(range(offsets[i], offsets[i] + n))
         table = list(chunk.block_table[: -(-(chunk.start + n) // block_size)])
         blocks.extend(table + [0] * (num_blocks - len(table)))  # padding blocks are masked out
-    q_pos_GQ = torch.tensor(q_pos, dtype=torch.long)
+    q_pos_GQ = torch.tensor(q_pos, dtype=torch.long, device=device)
     num_positions = num_blocks * block_size
-    sees_GQS = torch.arange(num_positions)[None, None, :] <= q_pos_GQ[:, :, None]
-    mask_G1QS = torch.zeros(sees_GQS.shape, dtype=torch.float32).masked_fill_(~sees_GQS, float("-inf"))[:, None]
-    q_index_GQ = torch.tensor(q_index, dtype=torch.long)
-    valid_GQ = torch.tensor(valid, dtype=torch.bool)
-    all_valid = bool(valid_GQ.all())
+    sees_GQS = torch.arange(num_positions, device=device)[None, None, :] <= q_pos_GQ[:, :, None]
+    mask_G1QS = torch.zeros(sees_GQS.shape, dtype=torch.float32, device=device).masked_fill_(
+        ~sees_GQS, float("-inf"))[:, None]
+    all_valid = len(out_index) == len(rows) * num_queries
     return AttentionGroup(
-        q_index_GQ=q_index_GQ,
-        blocks_F=torch.tensor(blocks, dtype=torch.long),
+        q_index_GQ=torch.tensor(q_index, dtype=torch.long, device=device),
+        blocks_F=torch.tensor(blocks, dtype=torch.long, device=device),
         mask_G1QS=mask_G1QS,
-        valid_GQ=None if all_valid else valid_GQ,
-        out_index_V=q_index_GQ.flatten() if all_valid else q_index_GQ[valid_GQ],
+        valid_GV=None if all_valid else (torch.tensor(valid_g, dtype=torch.long, device=device),
+                                         torch.tensor(valid_q, dtype=torch.long, device=device)),
+        out_index_V=torch.tensor(out_index, dtype=torch.long, device=device),
         num_positions=num_positions,
         q_pos_GQ=q_pos_GQ,
     )
@@ -184,13 +195,13 @@ class PagedAttention:
                     q_GNQH, k_GKSH.to(q_GNQH.dtype), v_GKSH.to(q_GNQH.dtype),
                     attn_mask=group.mask_G1QS.to(q_GNQH.dtype), enable_gqa=gqa)
             o_GQNH = o_GNQH.transpose(1, 2)
-            real = o_GQNH.flatten(0, 1) if group.valid_GQ is None else o_GQNH[group.valid_GQ]
+            real = o_GQNH.flatten(0, 1) if group.valid_GV is None else o_GQNH[group.valid_GV]
             out_TNH.index_copy_(0, group.out_index_V, real)
         return out_TNH[None]
 
 
 class GatherWorkspace:
-    """Two reused buffers (keys, values) for the padded per-group gather.
+    """Two reused buffers (keys, values) for the padded per-group gather, on the KV blocks' device.
 
     Gathering into fresh tensors costs several times more than into a reused buffer here (page
     faults on every large allocation), so the engine keeps these, grown to the largest group seen.
@@ -204,8 +215,8 @@ class GatherWorkspace:
         block_shape = blocks.shape[1:]
         numel = index_F.numel() * block_shape.numel()
         buffer = self._buffers[which]
-        if buffer is None or buffer.numel() < numel or buffer.dtype != blocks.dtype:
-            buffer = torch.empty(numel, dtype=blocks.dtype)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != blocks.dtype or buffer.device != blocks.device:
+            buffer = torch.empty(numel, dtype=blocks.dtype, device=blocks.device)
             self._buffers[which] = buffer
         out = buffer[:numel].view(index_F.numel(), *block_shape)
         return torch.index_select(blocks, 0, index_F, out=out)

@@ -71,11 +71,14 @@ async def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 def serial_index_select(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """`source.index_select(0, index)` in chunks small enough to run without an OpenMP region.
+    """`source.index_select(0, index)` on the host, in chunks small enough to run without an OpenMP region.
 
     For the few tensor reads the event-loop thread does itself (a finished request's routed
-    experts), so that it never starts a second OpenMP team (module docstring).
+    experts), so that it never starts a second OpenMP team (module docstring). A source on a GPU
+    is indexed there (no OpenMP involved) and the rows copied back to the host.
     """
+    if source.device.type != "cpu":
+        return source.index_select(0, index.to(source.device)).cpu()
     out = torch.empty((index.numel(), *source.shape[1:]), dtype=source.dtype)
     row = max(1, out[0].numel()) if out.shape[0] else 1
     step = max(1, PARALLEL_GRAIN_ELEMENTS // (2 * row))

@@ -24,6 +24,14 @@ How a step runs. The engine loop is one asyncio task. Each step, holding the eng
 Control calls (abort, pause, flush, weight updates) take the same lock, so they act between
 steps; `submit` does not need it.
 
+Device (`EngineConfig.device`: "cpu", "cuda", "cuda:N", or "auto", which is "cuda" where this
+process sees a GPU): the weights, the KV blocks, each step's index tensors and masks, the
+sampler's generators and the routed-expert slots live there; what callers get back (token ids,
+log-probs, routed experts) is Python values and CPU tensors. A step reads back from the device
+only its results (`.tolist()` of the sampled ids and log-probs, of scored prompt log-probs and of
+the top-k lists asked for). Shared-memory weights (`shared_weights`, the shm transport) are CPU
+memory, so they go with device "cpu" only.
+
 Bounds: at most `max_running_requests` run and `max_waiting_requests` wait (`submit` raises
 `EngineOverloadedError` beyond); KV memory is `kv_cache_mib`; every admitted request fits alone
 (`submit` rejects prompt + max_new_tokens beyond the context length).
@@ -35,6 +43,8 @@ import asyncio
 import collections
 import itertools
 import logging
+import os
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -79,6 +89,9 @@ class WeightsUnavailableError(RuntimeError):
     """The weights are torn (an update did not complete); nothing is served until one does (HTTP 503)."""
 
 
+_DEVICE = re.compile(r"cpu|auto|cuda(:\d+)?")
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Sizes and limits of the embedded engine."""
 
@@ -102,8 +115,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # leaves the engine refusing requests until a complete version arrives.
     double_buffer: bool = False
     # Keep the weights in shared memory, so a pusher in another process on the node writes
-    # straight into them (the shm transport).
+    # straight into them (the shm transport). CPU memory: device "cpu" only.
     shared_weights: bool = False
+    # Where the weights, the KV cache and the step's tensors live: "cpu", "cuda" (the process's
+    # current GPU), "cuda:N", or "auto" ("cuda" when the engine's process sees a GPU, else "cpu";
+    # resolved there, by `resolve_device`).
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_running_requests", "max_waiting_requests", "max_prefill_tokens"):
@@ -111,6 +128,38 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_cache_mib <= 0:
             raise ValueError(f"EngineConfig.kv_cache_mib must be > 0, got {self.kv_cache_mib}")
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"EngineConfig.device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}")
+        if self.shared_weights and self.device not in ("cpu", "auto"):
+            raise ValueError(_shared_on_device(self.device))
+
+
+def _shared_on_device(device: str) -> str:
+    return (f"EngineConfig.shared_weights keeps the weights in CPU shared memory (the shm transport), but "
+            f"the engine's device is {device!r}: use device 'cpu' with it, or another weight transport for "
+            "an engine on a GPU (weights.transport = \"broadcast\" or \"stream\")")
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device `EngineConfig.device` names, in this process: "auto" is the current GPU when
+    one is visible, else the CPU; "cuda" the current GPU. A ValueError that says why when CUDA is
+    asked for and this process has none."""
+    if not _DEVICE.fullmatch(name):
+        raise ValueError(f"EngineConfig.device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {name!r}")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        why = (f"torch {torch.__version__} is a build without CUDA" if torch.version.cuda is None else
+               f"no CUDA GPU is visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        raise ValueError(f"EngineConfig.device = {name!r}, but this process cannot use CUDA: {why}. Use "
+                         "device 'cpu', or 'auto' to take a GPU only where one is visible")
+    index = torch.cuda.current_device() if name == "cuda" else int(name.partition(":")[2])
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"EngineConfig.device = {name!r}, but this process sees {torch.cuda.device_count()} "
+                         f"GPU(s) (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    return torch.device("cuda", index)
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -156,14 +205,8 @@ def _top(logp_RV: torch.Tensor, ks: list[int]) -> list[TopLogprobs | None]:
     if k_max == 0:
         return [None] * len(ks)
     values_RK, ids_RK = logp_RV.topk(min(k_max, logp_RV.shape[-1]), dim=-1)
-    return [list(zip(v[:k].tolist(), i[:k].tolist())) if k else None
-            for v, i, k in zip(values_RK, ids_RK, ks)]
-
-
-def _copy_into(state: dict[str, torch.Tensor], items: list[tuple[str, torch.Tensor]]) -> None:
-    with torch.no_grad():
-        for name, tensor in items:
-            state[name].data.copy_(tensor)
+    values, ids = values_RK.tolist(), ids_RK.tolist()  # one read each, not one per row
+    return [list(zip(v[:k], i[:k])) if k else None for v, i, k in zip(values, ids, ks)]
 
 
 def _config_int(config: Any, name: str, default: int = 0) -> int:
@@ -172,12 +215,25 @@ def _config_int(config: Any, name: str, default: int = 0) -> int:
 
 
 class Engine:
-    """Continuous-batching generation over one model; all methods run on one event loop."""
+    """Continuous-batching generation over one model; all methods run on one event loop.
+
+    The model is moved to `config.device` if it is elsewhere; `config.device` is then the
+    resolved device ("auto" and "cuda" become e.g. "cuda:0"), and `device` the same as a torch.device.
+    """
 
     def __init__(self, model: torch.nn.Module, *, tokenizer: Tokenizer | None = None,
                  config: EngineConfig | None = None, model_path: str | None = None,
                  weight_version: str = "0") -> None:
         config = config or EngineConfig()
+        self.device = resolve_device(config.device)
+        if config.shared_weights and self.device.type != "cpu":
+            raise ValueError(_shared_on_device(f"{config.device} (here {self.device})"))
+        if config.device != str(self.device):
+            config = msgspec.structs.replace(config, device=str(self.device))
+        if any(p.device != self.device for p in model.parameters()):
+            compute.run_sync(model.to, self.device)
+        if self.device.type == "cuda":  # the compute thread's current GPU: NCCL groups use it
+            compute.run_sync(torch.cuda.set_device, self.device)
         if config.batch_invariant:
             if not hasattr(model, "set_batch_invariant"):
                 raise ValueError(f"EngineConfig.batch_invariant needs a model with set_batch_invariant "
@@ -204,9 +260,9 @@ class Engine:
             raise ValueError(f"kv_cache_mib={config.kv_cache_mib} holds {num_blocks} blocks but one request of "
                              f"max_seq_len={self.max_seq_len} tokens needs {needed}; raise kv_cache_mib or lower "
                              "max_seq_len")
-        self.cache = compute.run_sync(KVCache, num_blocks=num_blocks, **layer_shape)
+        self.cache = compute.run_sync(KVCache, num_blocks=num_blocks, device=self.device, **layer_shape)
         self._workspace = GatherWorkspace()
-        self._shared_generator = make_generator(config.seed)
+        self._shared_generator = make_generator(config.seed, self.device)
         # Every id that ends generation unless ignore_eos: the tokenizer's and the generation config's.
         eos_ids = getattr(tokenizer, "eos_token_ids", None) or [getattr(tokenizer, "eos_token_id", None)]
         self._eos_ids = frozenset(i for i in eos_ids if i is not None)
@@ -228,11 +284,12 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str, *, config: EngineConfig | None = None,
                         dtype: torch.dtype = torch.float32) -> Engine:
-        """Load a Hugging Face checkpoint folder (and its tokenizer, if it has one)."""
+        """Load a Hugging Face checkpoint folder (and its tokenizer, if it has one) onto `config.device`."""
         from miles_async.models import load_pretrained
         from miles_async.models.tokenizer import load_tokenizer
 
-        model = compute.run_sync(load_pretrained, path, dtype=dtype)
+        device = resolve_device((config or EngineConfig()).device)  # before loading: a clear error for CUDA
+        model = compute.run_sync(load_pretrained, path, dtype=dtype, device=device)
         # Without tokenizer.json the engine takes token ids only; text requests get a 400.
         tokenizer = load_tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
         return cls(model, tokenizer=tokenizer, config=config, model_path=str(path))
@@ -288,7 +345,7 @@ class Engine:
         state = Request(
             rid=rid, seq=next(self._seq), prompt_ids=list(ids), params=params,
             return_logprob=request.return_logprob, return_routed_experts=request.return_routed_experts,
-            generator=None if params.sampling_seed is None else make_generator(params.sampling_seed),
+            generator=None if params.sampling_seed is None else make_generator(params.sampling_seed, self.device),
             stop_token_ids=frozenset(stop_ids),
             # SGLang ignores both without return_logprob
             logprob_start_len=request.logprob_start_len if request.return_logprob else -1,
@@ -693,12 +750,14 @@ class Engine:
         log_softmax of the logits): row for row what a trainer's forward gives, bit for bit in
         batch-invariant mode.
         """
+        device = self.device
         with torch.inference_mode():
-            plan = build_plan(step.chunks, self.cache.block_size)
+            plan = build_plan(step.chunks, self.cache.block_size, device)
             rows = [i for i, s in enumerate(step.sampled) if s]
-            scored_rows_S = torch.tensor([row for _, row, _ in step.scored], dtype=torch.long)
-            logits_XV, experts_L1Tk = self._forward(torch.tensor([step.input_ids], dtype=torch.long), plan,
-                                                    torch.cat([plan.last_index_R[rows], scored_rows_S]))
+            rows_X = torch.tensor([plan.last_rows[i] for i in rows] + [row for _, row, _ in step.scored],
+                                  dtype=torch.long, device=device)
+            logits_XV, experts_L1Tk = self._forward(
+                torch.tensor([step.input_ids], dtype=torch.long, device=device), plan, rows_X)
             if experts_L1Tk is not None:
                 self.cache.enable_expert_capture(experts_L1Tk.shape[0], experts_L1Tk.shape[-1])
                 self.cache.expert_slots_TLk[plan.write_slots_T] = experts_L1Tk[:, 0].transpose(0, 1).to(torch.int32)
@@ -707,7 +766,7 @@ class Engine:
             scored_top: list[TopLogprobs | None] = []
             if step.scored:
                 logp_SV = torch.log_softmax(logits_SV.float(), dim=-1)
-                targets_S = torch.tensor([target for _, _, target in step.scored], dtype=torch.long)
+                targets_S = torch.tensor([target for _, _, target in step.scored], dtype=torch.long, device=device)
                 scored_logprobs = logp_SV.gather(1, targets_S[:, None]).squeeze(1).tolist()
                 scored_top = _top(logp_SV, [step.requests[i].top_logprobs_num for i, _, _ in step.scored])
             if not rows:
@@ -814,4 +873,4 @@ class Engine:
             return None
         size = self.cache.block_size
         slots = [request.blocks[p // size] * size + p % size for p in range(request.num_computed)]
-        return compute.serial_index_select(slots_cache, torch.tensor(slots, dtype=torch.long))
+        return compute.serial_index_select(slots_cache, torch.tensor(slots, dtype=torch.long))  # a host tensor

@@ -12,6 +12,9 @@ free when no request uses it and no node owns it; a node whose block no request 
 evictable once it is a leaf, least recently used first. Only full blocks enter the tree, so a
 block in the tree is never written again (a request writes only past its cached prefix).
 
+Device: the blocks (and the routed-expert slots) live on the engine's device (`device`); the
+block tables, reference counts and the tree are host-side Python state.
+
 Tensor names (STYLE rule 10): L layers, K kv heads, H head dim.
 """
 
@@ -38,15 +41,16 @@ class KVCache:
     """
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32) -> None:
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.device = torch.device(device)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         with torch.inference_mode():
-            self.k_blocks = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-            self.v_blocks = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+            self.k_blocks = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+            self.v_blocks = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.expert_slots_TLk: torch.Tensor | None = None
         self.refcount = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids first
@@ -62,7 +66,7 @@ class KVCache:
         if self.expert_slots_TLk is None:
             with torch.inference_mode():
                 self.expert_slots_TLk = torch.zeros(
-                    (self.num_blocks * self.block_size, num_moe_layers, top_k), dtype=torch.int32)
+                    (self.num_blocks * self.block_size, num_moe_layers, top_k), dtype=torch.int32, device=self.device)
 
     @property
     def num_free(self) -> int:

@@ -11,6 +11,11 @@ Log-probabilities: a sampled token's log-prob is taken under the distribution it
 under the model's own distribution, `log_softmax(logits)`, since the degenerate one-hot
 distribution would always say 0.
 
+Device: everything runs on the logits' device; generators are made for that device
+(`make_generator(seed, device)`: a CUDA generator draws a different stream than a CPU one with the
+same seed, so a seeded request repeats its tokens on the same kind of device). Which rows are greedy
+is decided on the host, from the parameters, so sampling never reads a tensor back.
+
 Tensor names (STYLE rule 10): R rows (requests sampled this step), V vocabulary.
 """
 
@@ -127,8 +132,8 @@ def _normalise_fields(fields: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def make_generator(seed: int) -> torch.Generator:
-    generator = torch.Generator(device="cpu")
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
 
@@ -146,21 +151,22 @@ def sample(
     draws exactly from p and lets the noise be made per row.
     """
     logits_RV = logits_RV.float()
+    device = logits_RV.device
     num_rows = logits_RV.shape[0]
-    greedy_R = torch.tensor([p.greedy for p in params], dtype=torch.bool)
-    tokens_R = torch.empty(num_rows, dtype=torch.long)
-    logprobs_R = torch.empty(num_rows, dtype=torch.float32)
-    if bool(greedy_R.any()):
-        rows = greedy_R.nonzero().squeeze(1)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    tokens_R = torch.empty(num_rows, dtype=torch.long, device=device)
+    logprobs_R = torch.empty(num_rows, dtype=torch.float32, device=device)
+    if greedy:
+        rows = torch.tensor(greedy, dtype=torch.long, device=device)
         logp_GV = torch.log_softmax(logits_RV[rows], dim=-1)
         best_G = logp_GV.argmax(dim=-1)
         tokens_R[rows] = best_G
         logprobs_R[rows] = logp_GV.gather(1, best_G[:, None]).squeeze(1)
-    if not bool(greedy_R.all()):
-        rows = (~greedy_R).nonzero().squeeze(1)
-        chosen = [params[i] for i in rows.tolist()]
-        logp_SV = filtered_log_probs(logits_RV[rows], chosen)
-        noise_SV = _exponential_noise(logp_SV.shape, [generators[i] for i in rows.tolist()], shared_generator)
+    if drawn:
+        rows = torch.tensor(drawn, dtype=torch.long, device=device)
+        logp_SV = filtered_log_probs(logits_RV[rows], [params[i] for i in drawn])
+        noise_SV = _exponential_noise(logp_SV.shape, [generators[i] for i in drawn], shared_generator, device)
         picked_S = (logp_SV - noise_SV.log()).argmax(dim=-1)  # log p - log E: the race in log space
         tokens_R[rows] = picked_S
         logprobs_R[rows] = logp_SV.gather(1, picked_S[:, None]).squeeze(1)
@@ -169,7 +175,8 @@ def sample(
 
 def filtered_log_probs(logits_SV: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """log_softmax of logits / temperature after top-k and top-p, per row (-inf where filtered)."""
-    temps_S1 = torch.tensor([[p.temperature] for p in params], dtype=logits_SV.dtype)
+    device = logits_SV.device
+    temps_S1 = torch.tensor([[p.temperature] for p in params], dtype=logits_SV.dtype, device=device)
     scaled_SV = logits_SV / temps_S1
     vocab_size = scaled_SV.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
@@ -177,26 +184,27 @@ def filtered_log_probs(logits_SV: torch.Tensor, params: Sequence[SamplingParams]
     if all(k == vocab_size for k in top_k) and all(p >= 1.0 for p in top_p):
         return torch.log_softmax(scaled_SV, dim=-1)
     sorted_SV, order_SV = scaled_SV.sort(dim=-1, descending=True)
-    rank_V = torch.arange(vocab_size)
-    drop_SV = rank_V[None, :] >= torch.tensor(top_k)[:, None]
+    rank_V = torch.arange(vocab_size, device=device)
+    drop_SV = rank_V[None, :] >= torch.tensor(top_k, device=device)[:, None]
     probs_SV = torch.softmax(sorted_SV.masked_fill(drop_SV, float("-inf")), dim=-1)
     mass_before_SV = probs_SV.cumsum(dim=-1) - probs_SV  # keep a token while the mass before it < top_p
-    drop_SV |= mass_before_SV >= torch.tensor(top_p, dtype=probs_SV.dtype)[:, None]
+    drop_SV |= mass_before_SV >= torch.tensor(top_p, dtype=probs_SV.dtype, device=device)[:, None]
     drop_SV[:, 0] = False
     dropped_SV = torch.zeros_like(drop_SV).scatter_(1, order_SV, drop_SV)
     return torch.log_softmax(scaled_SV.masked_fill(dropped_SV, float("-inf")), dim=-1)
 
 
 def _exponential_noise(
-    shape: torch.Size, generators: Sequence[torch.Generator | None], shared: torch.Generator
+    shape: torch.Size, generators: Sequence[torch.Generator | None], shared: torch.Generator,
+    device: torch.device,
 ) -> torch.Tensor:
     # Exp(1) as -log(U): torch's CPU `exponential_` took 556 us for [64, 512] here, `rand` 89 us.
-    uniform_SV = torch.empty(shape)
+    uniform_SV = torch.empty(shape, device=device)
     own = [i for i, g in enumerate(generators) if g is not None]
     rest = [i for i, g in enumerate(generators) if g is None]
     for i in own:
         torch.rand(shape[1], generator=generators[i], out=uniform_SV[i])
     if rest:
-        uniform_SV[rest] = torch.rand(len(rest), shape[1], generator=shared)
+        uniform_SV[rest] = torch.rand(len(rest), shape[1], generator=shared, device=device)
     tiny = torch.finfo(uniform_SV.dtype).tiny
     return uniform_SV.clamp_(min=tiny).log_().neg_().clamp_(min=tiny)

@@ -30,6 +30,9 @@ Broadcast (`GroupReceiver`, SGLang's distributed endpoints): the engine joins a 
 group whose rank 0 broadcasts the tensors, bucket by bucket, into `target`; the update commits when
 every weight has arrived (or when the caller closes its begin/end session).
 
+Devices: the store's tensors are the model's, on the engine's device; `write` copies (and casts)
+tensors from anywhere, the CPU included, into them. Shared-memory stores are CPU only.
+
 Adopting (`adopt`, the colocated handoff): a tensor of the engine's dtype, device and shape is
 taken as it is, no copy; the previous tensors stay untouched until `commit`, so adoption is
 double-buffered at no extra memory.
@@ -103,6 +106,10 @@ class WeightStore:
         self._adopted: set[int] = set()  # ids of tensors taken by `adopt`: never written into afterwards
         live = {name: p.detach() for name, p in self.params.items()}
         if shared:
+            off_cpu = {str(t.device) for t in live.values() if t.device.type != "cpu"}
+            if off_cpu:
+                raise ValueError(f"shared-memory weights are CPU memory, but the model's weights are on "
+                                 f"{', '.join(sorted(off_cpu))}: use shared=False (another transport) for them")
             segment = SharedWeights.like(live)
             segment.write(live)
             self._segments.append(segment)
@@ -393,8 +400,9 @@ class GroupReceiver:
             raise ValueError(f"weight update group {group_name!r} exists already; destroy it first")
         if not 0 < rank_offset < world_size:
             raise ValueError(f"rank_offset={rank_offset} must be in [1, world_size={world_size}): rank 0 is the pusher")
-        if backend == "nccl" and not torch.cuda.is_available():
-            raise ValueError("backend 'nccl' needs CUDA and this engine has none: use backend 'gloo'")
+        if backend == "nccl" and self.engine.device.type != "cuda":
+            raise ValueError(f"backend 'nccl' moves GPU memory only and this engine's weights are on "
+                             f"{self.engine.device}: use backend 'gloo', or start the engine with device 'cuda'")
         self.groups[group_name] = await asyncio.to_thread(
             WeightGroup.join, master_address, master_port, rank_offset, world_size, backend=backend,
             timeout_s=self.timeout_s, name=group_name, sglang=True)
@@ -424,7 +432,8 @@ class GroupReceiver:
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
         kinds = [_dtype(d) for d in dtypes]
-        device = "cuda" if group.backend == "nccl" else "cpu"
+        # NCCL receives on the engine's GPU; gloo on the host (`write` then copies to the engine's device)
+        device = self.engine.device if group.backend == "nccl" else torch.device("cpu")
         # Receive first, whatever the names say: the pusher is blocked in its broadcasts until then.
         tensors = await asyncio.to_thread(self._receive, group, kinds, shapes, device)
         store = self.engine.weights
@@ -446,7 +455,7 @@ class GroupReceiver:
 
     @staticmethod
     def _receive(group: WeightGroup, kinds: list[torch.dtype], shapes: list[list[int]],
-                 device: str) -> list[torch.Tensor]:
+                 device: torch.device) -> list[torch.Tensor]:
         tensors = []
         for kind, shape in zip(kinds, shapes):
             tensor = torch.empty(shape, dtype=kind, device=device)
