@@ -91,7 +91,8 @@ def _serve_engine(args: argparse.Namespace, extra: list[str]) -> int:
     from miles_async.engine.server import main as serve_engine
 
     return serve_engine(args.model, args.host, args.port, api_key=args.api_key or os.environ.get("MILES_ASYNC_API_KEY"),
-                        kv_cache_mib=args.kv_cache_mib, max_running_requests=args.max_running_requests)
+                        kv_cache_mib=args.kv_cache_mib, max_running_requests=args.max_running_requests,
+                        device=args.device)
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -249,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: MILES_ASYNC_API_KEY; none on loopback)")
     engine.add_argument("--max-running-requests", type=int, default=256, metavar="N",
                         help="requests decoded together at most; more wait (default: %(default)s)")
+    engine.add_argument("--device", default="cpu", metavar="DEV",
+                        help='cpu, cuda, cuda:N, or auto (a GPU if one is visible) (default: %(default)s)')
     session = _add_verb(servers, "session", "the TITO session server, OpenAI-compatible", _serve_session)
     session.add_argument("--engine", required=True, action="append", metavar="URL",
                          help="URL of an engine to route to (repeat for several; sessions stick to one)")

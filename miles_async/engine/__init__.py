@@ -2,7 +2,7 @@
 
 - `Engine` (core.py): continuous batching over a paged KV cache with a radix prefix cache,
   sampling with per-token log-probs, abort, pause/continue, weight updates, routed
-  experts for MoE models.
+  experts for MoE models; on the CPU or a GPU (`EngineConfig.device`).
 - `WeightStore` (weights.py): the engine's weights as an update target: versions in order,
   an optional double buffer, shared-memory weights, and the torn state an interrupted update
   leaves (the engine then refuses requests and its /health says why). `Engine.from_pretrained(DIR)`; `await engine.generate(GenerateRequest(...))`.

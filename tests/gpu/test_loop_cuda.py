@@ -1,19 +1,23 @@
-"""The main job with its trainer on CUDA: `miles-async run recipes/reverse.toml`, shortened, weights
-to the engine by `weights.transport = "broadcast"`, every push verified.
+"""The main job on CUDA, trainer and engine: `miles-async run recipes/reverse.toml`, shortened,
+weights to the engine by `weights.transport = "broadcast"`, every push verified.
 
-What goes on the GPU, and what cannot yet:
+What goes on the GPU:
 - the trainer: `trainer.backend = "nccl"` puts its rank on `cuda:LOCAL_RANK` (trainer/fsdp.py
   `init_distributed`); a run that finishes with it trained on CUDA (NCCL takes device tensors only);
-- the embedded engine stays on the CPU: it has no device setting (`EngineConfig` has none,
-  `Engine.from_pretrained` loads with `load_pretrained`'s default "cpu", its KV cache, step inputs
-  and sampling are CPU tensors);
-- weights over NCCL (`weights.backend = "nccl"`) need the pusher and the engine on two different
-  GPUs (NCCL refuses two ranks of one communicator on one GPU: "Duplicate GPU detected"), so that
-  case is skipped below two GPUs, and above until the engine can take an NCCL broadcast: `EngineActor.receive_broadcast` (actors/engine.py) receives into its CPU weights,
-  which NCCL cannot, and a one-node run gives its engines no GPU of their own (actors/controller.py
-  makes node 0 with `num_gpus = 0`, so `Fleet._gpu_env` sets no CUDA_VISIBLE_DEVICES).
+- the embedded engine: `rollout.engine.device = "cuda"` puts its weights, KV cache, step tensors and
+  sampling on a GPU (engine/core.py; a run that finishes with it generated there, since a device it
+  cannot use fails the engine at start). A one-node run with an engine on CUDA hands each engine a
+  GPU of its own after the trainer ranks' (`one_node_gpus`, `Fleet._gpu_env`: CUDA_VISIBLE_DEVICES);
+  with one GPU the engine shares the trainer's;
+- weights over gloo (`weights.backend = "gloo"`): received on the host, copied into the engine's GPU
+  weights (`EngineActor.receive_broadcast`);
+- weights over NCCL (`weights.backend = "nccl"`): from the pusher's GPU straight into the engine's.
+  The pusher (the controller's process, GPU 0) and the engine must be on two different GPUs (NCCL
+  refuses two ranks of one communicator on one GPU: "Duplicate GPU detected"), so that case is
+  skipped below two GPUs.
 
-GPU only: skipped, with the reason, where no CUDA GPU (or no NCCL) is available.
+GPU only: skipped, with the reason, where no CUDA GPU (or no NCCL) is available. The engine alone on
+CUDA: test_engine_cuda.py.
 """
 
 from __future__ import annotations
@@ -45,10 +49,7 @@ pytestmark = pytest.mark.skipif(cuda_nccl_skip_reason() is not None, reason=str(
 NCCL_WEIGHTS = pytest.param("nccl", id="weights-nccl", marks=[
     pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
                        reason="weights over NCCL need the pusher and the engine on two GPUs (NCCL refuses two "
-                              f"ranks on one GPU); {torch.cuda.device_count()} visible"),
-    pytest.mark.skip(reason="the embedded engine runs on the CPU only (EngineConfig has no device), so it takes no "
-                            "NCCL broadcast: EngineActor.receive_broadcast receives into its CPU weights, and a "
-                            "one-node run gives engines no GPU of their own (module docstring); issue 16 open")])
+                              f"ranks on one GPU); {torch.cuda.device_count()} visible")])
 
 
 def run_main_job(args: list[str], timeout_s: float) -> tuple[int | None, str, str]:
@@ -72,13 +73,15 @@ def test_the_main_job_trains_on_cuda_with_verified_broadcast_updates(tmp_path: P
     rc, stdout, stderr = run_main_job(
         ["run", str(RECIPE), "--out", str(out), "--quiet", *SHORT, f"loop.num_steps={NUM_STEPS}", "eval.every=0",
          "loop.mode=sync",  # every batch from the version just pushed: the engine's log-probs are the trainer's
-         "trainer.backend=nccl", "weights.transport=broadcast", f"weights.backend={weights_backend}",
+         "trainer.backend=nccl", "rollout.engine.device=cuda", "weights.transport=broadcast",
+         f"weights.backend={weights_backend}",
          "weights.verify=always", "weights.timeout_s=60"], RUN_TIMEOUT_S)
     assert rc == 0, f"rc {rc} (None: killed after {RUN_TIMEOUT_S:g}s)\n{stderr[-4000:]}"
     summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["num_steps"] == NUM_STEPS and not summary["interrupted"]
     config = json.loads((out / "config.json").read_text())
     assert config["trainer"]["backend"] == "nccl"  # the trainer's rank was on CUDA, or the run had failed
+    assert config["rollout"]["engine"]["device"] == "cuda"  # so was the engine, or it had failed to start
     assert (config["weights"]["transport"], config["weights"]["backend"]) == ("broadcast", weights_backend)
 
     records = decode_trace(out / "trace.jsonl")
@@ -97,6 +100,6 @@ def test_the_main_job_trains_on_cuda_with_verified_broadcast_updates(tmp_path: P
     for m in metrics:
         assert all(math.isfinite(m[k]) for k in ("loss", "grad_norm", "entropy", "reward_mean")), m
         assert m["staleness_max"] == 0 and m["num_samples"] > 0
-        # the engine (CPU) sampled from the pushed version; the trainer (CUDA) scores the same
-        # tokens with the same weights: only float rounding between the two devices apart
+        # the engine sampled from the pushed version; the trainer scores the same tokens with the
+        # same weights, both on CUDA: only float rounding between their kernels apart
         assert m["logprob_abs_diff"] < 1e-3, m
