@@ -322,6 +322,9 @@ class EngineActor(Actor):
     async def connect_rdma(self, msg: ConnectRdma) -> RdmaTarget:
         from miles_async.transport.rdma import EndpointInfo, RdmaEngineSide
 
+        if self.engine.device.type != "cpu":  # verbs register host memory; GPU memory needs GPUDirect RDMA
+            raise ValueError(f"weights.transport = \"rdma\" writes into host memory, and this engine runs on "
+                             f"{self.engine.device}: use \"broadcast\" or \"stream\" for an engine on a GPU")
         self._close_rdma()
         pusher = msgspec.convert(msg.pusher, EndpointInfo)
         side = await compute.run(RdmaEngineSide, self.engine.weights.target())
