@@ -441,12 +441,14 @@ class Fleet:
 
 def resolve_transport(config: RunConfig) -> str:
     """`weights.transport`, "auto" resolved: "disk" for external engines (they reload files), "shm"
-    for embedded engines all on node 0, "stream" when some are elsewhere."""
+    for embedded engines all on node 0 with their weights in host memory, "stream" when some are
+    elsewhere or on a GPU (or may be: device "auto"), which shared memory cannot reach."""
     if config.weights.transport != "auto":
         return config.weights.transport
     if config.rollout.backend != "embedded":
         return "disk"
-    return "stream" if any(n != 0 for n in config.placement.engines) else "shm"
+    on_host = config.rollout.engine.device == "cpu"
+    return "stream" if any(n != 0 for n in config.placement.engines) or not on_host else "shm"
 
 
 async def _engine_url(ref: ActorRef) -> str:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from _support_engine import FactoryDevices, engine_tensors, mixed_workload, run_workload
 
-from miles_async.actors.fleet import Fleet, Node, RunFolder, one_node_gpus
+from miles_async.actors.fleet import Fleet, Node, RunFolder, one_node_gpus, resolve_transport
 from miles_async.actors.recipe import load_recipe
 from miles_async.engine.core import Engine, EngineConfig, resolve_device
 from miles_async.models import init_model, load_pretrained
@@ -96,6 +96,12 @@ def test_nccl_weights_to_an_engine_on_the_cpu_are_refused_by_the_recipe():
     assert load_recipe(None, ["weights.transport=broadcast", "weights.backend=nccl",
                               "rollout.engine.device=cuda"]).rollout.engine.device == "cuda"
     assert load_recipe(None).rollout.engine.device == "cpu"
+
+
+@pytest.mark.parametrize(("device", "transport"), [("cpu", "shm"), ("cuda", "stream"), ("auto", "stream")])
+def test_auto_transport_leaves_shared_memory_to_engines_on_the_cpu(device, transport):
+    config = load_recipe(None, [f"rollout.engine.device={device}", "weights.transport=auto"])
+    assert resolve_transport(config) == transport
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
