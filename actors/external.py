@@ -323,7 +323,9 @@ class ExternalEngineActor(Actor):
         if self.kind == "vllm" and self.tied and not self.config.url:  # it serves the untied view
             await asyncio.to_thread(_write_lm_head, path)
         await asyncio.to_thread(shutil.copyfile, Path(self.model_dir) / "config.json", path.parent / "config.json")
-        await _in_task(self.backend.reload_weights(str(path.parent), str(version)))
+        # flushed only when the pause aborted everything: SGLang fails the update when the flush finds
+        # requests held (rollout.partial = "continue" keeps them in place)
+        await _in_task(self.backend.reload_weights(str(path.parent), str(version), flush_cache=self.paused == "abort"))
         if tensors is not None:
             expected = await asyncio.to_thread(self._reference_logprobs, tensors)
             await self._probe(self._reference.ids, expected, version)

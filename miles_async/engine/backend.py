@@ -103,9 +103,10 @@ class EngineBackend(Protocol):
 class WeightAdmin(Protocol):
     """The weight calls an external engine's actor makes (actors/external.py)."""
 
-    async def reload_weights(self, folder: str, label: str) -> None:
+    async def reload_weights(self, folder: str, label: str, *, flush_cache: bool = True) -> None:
         """Load the safetensors files under `folder` (checkpoint names, with the model's config.json)
-        into the served model and label them `label`."""
+        into the served model and label them `label`. `flush_cache=False` leaves the prefix cache to
+        the caller: SGLang fails an update whose flush finds requests held (a pause that keeps them)."""
         ...
 
     async def set_weight_version(self, label: str) -> None: ...
@@ -168,8 +169,9 @@ class SGLangBackend:
 
     # ----- WeightAdmin -----
 
-    async def reload_weights(self, folder: str, label: str) -> None:
-        _succeeded(await self.client.update_weights_from_disk(folder, weight_version=label), "/update_weights_from_disk")
+    async def reload_weights(self, folder: str, label: str, *, flush_cache: bool = True) -> None:
+        _succeeded(await self.client.update_weights_from_disk(folder, weight_version=label, flush_cache=flush_cache),
+                   "/update_weights_from_disk")
 
     async def set_weight_version(self, label: str) -> None:
         await self.client.update_weight_version(label, abort_all_requests=False)

@@ -273,8 +273,9 @@ class VllmBackend:
 
     # ----- weights (the engine's actor) -----
 
-    async def reload_weights(self, folder: str | Path, label: str) -> None:
-        """Load the safetensors files under `folder` (checkpoint names) into the served model, in place."""
+    async def reload_weights(self, folder: str | Path, label: str, *, flush_cache: bool = True) -> None:
+        """Load the safetensors files under `folder` (checkpoint names) into the served model, in place.
+        (`flush_cache` is not needed: requests salt their prefix cache with the version, `cache_salt`.)"""
         await self._request("POST", "/collective_rpc",
                             {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}})
         await self.set_weight_version(label)

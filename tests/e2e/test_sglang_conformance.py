@@ -298,7 +298,7 @@ async def exercise_client(url: str) -> set[str]:
             "server_info": client.server_info(), "loads": client.loads(), "flush_cache": client.flush_cache(),
             "abort": client.abort("c"), "pause": client.pause("in_place"), "resume": client.resume(),
             "update_weights_from_disk": client.update_weights_from_disk("/ckpt", weight_version="2",
-                                                                        abort_all_requests=True),
+                                                                        abort_all_requests=True, flush_cache=False),
             "update_weight_version": client.update_weight_version("3"),
             "init_weights_update_group": client.init_weights_update_group("127.0.0.1", 1, 1, 2, group_name="g",
                                                                           backend="gloo"),
