@@ -16,7 +16,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
-from miles_async.runtime import wire
+from miles_async.runtime import segments, wire
 from miles_async.runtime.actor import Actor
 from miles_async.runtime.errors import (
     ActorDeadError,
@@ -191,7 +191,7 @@ class Supervisor:
             name=rec.name, cls=rec.cls, args=rec.args, kwargs=rec.kwargs, owner=rec.owner,
             owner_address=self.system.address, directory=self.system._directory_address or self.system.address, bind=bind,
             config=self.system.config, key_dir=self.system._key_dir, sys_path=list(sys.path),
-            log_level=logging.getLogger().getEffectiveLevel(), env=rec.env)
+            log_level=logging.getLogger().getEffectiveLevel(), env=rec.env, run_tag=segments.run_tag())
         rec.ready = self.system.loop.create_future()
         rec.exited = self.system.loop.create_future()
         rec.reported = None
@@ -239,7 +239,7 @@ class Supervisor:
                 break
             await asyncio.sleep(0.005)
         code = proc.exitcode
-        if code is not None:  # the data-plane segments a killed child could not unlink; at once,
+        if code is not None:  # the shared-memory segments a killed child could not unlink; at once,
             assert proc.pid is not None  # it exited, so it was started and has a pid
             self.system.dataplane.reap_process(proc.pid)  # before its pid is handed out again
         if code is not None and code < 0:
