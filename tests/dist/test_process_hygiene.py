@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -46,9 +47,10 @@ def test_a_spawned_actor_s_process_is_named_for_it_in_ps_and_top() -> None:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").decode()
             assert cmdline == "miles-async: engine-7"
             assert Path(f"/proc/{pid}/comm").read_text().strip() == "miles:engine-7"
-            ps = await asyncio.to_thread(subprocess.run, ["ps", "-o", "comm=,args=", "-p", str(pid)],
-                                         capture_output=True, text=True, check=True, timeout=30)
-            assert ps.stdout.split() == ["miles:engine-7", "miles-async:", "engine-7"]
+            if shutil.which("ps"):  # procps: what an operator types
+                ps = await asyncio.to_thread(subprocess.run, ["ps", "-o", "comm=,args=", "-p", str(pid)],
+                                             capture_output=True, text=True, check=True, timeout=30)
+                assert ps.stdout.split() == ["miles:engine-7", "miles-async:", "engine-7"]
 
     scenario(main, TIMEOUT_S)
 

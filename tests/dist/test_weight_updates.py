@@ -86,7 +86,7 @@ class TestPusher(WeightPusher):
     async def pid(self, msg: Pid) -> int:
         return os.getpid()
 
-    async def _move(self, version, converted, cast, expected) -> None:
+    async def _move(self, version, converted, cast, expected, probe=None) -> None:
         if self.drop:
             converted = {n: t for n, t in converted.items() if n != self.drop}
             cast = {n: t for n, t in cast.items() if n != self.drop}
@@ -97,7 +97,7 @@ class TestPusher(WeightPusher):
             for name, tensor in list(cast.items())[: len(cast) // 2]:
                 handle.tensors[name].copy_(tensor)
             await asyncio.Event().wait()
-        await super()._move(version, converted, cast, expected)
+        await super()._move(version, converted, cast, expected, probe)
 
 
 class DroppingPusher(TestPusher):
