@@ -39,6 +39,7 @@ import os
 import re
 import secrets
 import tempfile
+import threading
 from collections.abc import Iterable
 
 __all__ = ["default_folder", "join_run", "process_prefix", "reap_process", "run_tag", "sweep_stale", "use_folder"]
@@ -53,6 +54,7 @@ _NAME = re.compile(rf"{PREFIX}([0-9a-f]{{8}})(?:-\d+-.+|{re.escape(LOCK_SUFFIX)}
 _tag: str | None = None
 _lock_fd: int | None = None  # set in a root process: the fd holding the run's lock
 _owner_pid = 0  # the process that set `_tag`: a forked copy of it must not run its exit sweeps
+_claim = threading.Lock()  # an engine may make its first segment in a thread of its own
 _swept: set[str] = set()  # folders this process already swept for dead runs
 _extra_folders: set[str] = set()  # folders besides the default one where this process puts segments
 
@@ -67,9 +69,14 @@ def default_folder() -> str:
 def run_tag() -> str:
     """This process's run tag: its parent's (`join_run`), else a new run's, whose lock this
     process then holds (after sweeping the segments of dead runs from the default folder)."""
-    global _tag, _lock_fd, _owner_pid
     if _tag is not None:
         return _tag
+    with _claim:
+        return _tag or _claim_run()
+
+
+def _claim_run() -> str:
+    global _tag, _lock_fd, _owner_pid
     folder = default_folder()
     _sweep_once(folder)
     while True:  # the lock is taken under a temporary name, then linked into place: a sweeper never
