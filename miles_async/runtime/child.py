@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import pickle
 import signal
 import sys
 from dataclasses import dataclass
@@ -47,8 +48,11 @@ class ChildSpec:
     run_tag: str = ""  # the owner's run (segments.py); "" only for a spec built outside a run
 
 
-def main(spec: ChildSpec) -> None:
-    proctitle.set_title(spec.name)
+def main(name: str, spec_bytes: bytes) -> None:
+    # Named before the spec is unpickled: that imports the actor's module (torch, for an engine or a
+    # trainer), seconds in which `ps` would show only multiprocessing's command line.
+    proctitle.set_title(name)
+    spec: ChildSpec = pickle.loads(spec_bytes)
     if spec.run_tag:
         segments.join_run(spec.run_tag)
     # Before anything touches a device: CUDA reads CUDA_VISIBLE_DEVICES when it first initialises.

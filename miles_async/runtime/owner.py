@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import signal
 import sys
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 from miles_async.runtime import segments, wire
@@ -195,9 +196,16 @@ class Supervisor:
         rec.ready = self.system.loop.create_future()
         rec.exited = self.system.loop.create_future()
         rec.reported = None
-        proc = multiprocessing.get_context("spawn").Process(
-            target=child.main, args=(spec,), name=f"miles-async:{rec.name}")
-        await asyncio.to_thread(proc.start)  # spawning writes the pickled spec; keep the loop free
+
+        def start() -> multiprocessing.process.BaseProcess:
+            # the spec travels pickled inside the arguments, so that the child names its process
+            # before unpickling it imports the actor's module (child.main)
+            process = multiprocessing.get_context("spawn").Process(
+                target=child.main, args=(rec.name, bytes(ForkingPickler.dumps(spec))), name=f"miles-async:{rec.name}")
+            process.start()
+            return process
+
+        proc = await asyncio.to_thread(start)  # pickling and spawning take a while; keep the loop free
         rec.process = proc
         self.system.loop.add_reader(proc.sentinel, self.on_process_exit, rec, proc)
         try:
