@@ -2,7 +2,10 @@
 
 It parses a verb and its arguments and hands off to the library, which it imports only when the
 verb runs, so that `--help` stays fast and pulls in neither torch nor ZeroMQ. A verb whose code is
-not written yet says so on stderr and exits with status 2; it never pretends to have run.
+not written yet says so on stderr and exits with status 2; it never pretends to have run. A verb
+that serves names its process for `ps` and `top` (`miles-async: controller` for `run`,
+`miles-async: node-1 agent` for a `launch` node, `miles-async: serve engine`); the processes a run
+starts are named by the runtime (`miles-async: engine-0`, `miles-async: trainer-0`).
 
 `miles-async bench TARGET ...` passes every argument after TARGET, `--help` included, to
 `miles_async.bench.TARGET.main(argv)`.
@@ -329,7 +332,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(str(e))
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    role = _process_role(args)
+    if role:
+        from miles_async.runtime.proctitle import set_title
+
+        set_title(role)
     return args.handler(args, [])
+
+
+def _process_role(args: argparse.Namespace) -> str:
+    """What `ps` and `top` call this process while it serves a run (runtime/proctitle.py); ""
+    for the short-lived verbs, which keep their command line."""
+    if args.handler is _run:
+        return "controller"
+    if args.handler is _launch:
+        return "node-0 controller" if args.node_rank == 0 else f"node-{args.node_rank} agent"
+    if args.handler in (_serve_engine, _serve_session):
+        return f"serve {args.server}"
+    return ""
 
 
 if __name__ == "__main__":

@@ -23,8 +23,12 @@ writes (the update protocol's pause -> write -> verify -> resume); the counter t
 whether the write it waited for completed.
 
 Lifetime: the creating process owns the segment and unlinks it in `close()` (or on leaving a
-`with` block; Python's resource tracker unlinks it too if the owner dies without closing).
-Attached handles only unmap. A mapping cannot be closed while tensor views into it are alive:
+`with` block). Its default name is under the run's prefix (`miles_async.runtime.segments`), so
+that a segment whose owner died without closing it (SIGKILL) is unlinked by the runtime: by the
+owner's parent when it sees it exit, else at the end of the run, else by the next run on the
+node. No segment is registered with Python's resource tracker, neither the owner's nor an
+attached one: the tracker would warn at exit about segments it does not own, and unlink them
+under their owner. Attached handles only unmap. A mapping cannot be closed while tensor views into it are alive:
 drop them first, or `close()` raises TransportError naming the segment.
 
 Try it: `pytest tests/unit/test_transport_shm.py -s`.
@@ -32,16 +36,19 @@ Try it: `pytest tests/unit/test_transport_shm.py -s`.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import secrets
 import struct
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import numpy as np
 import torch
 
+from miles_async.runtime import segments
 from miles_async.transport.buckets import NamedTensors, as_items, tensor_nbytes
 from miles_async.transport.errors import TransportError
 
@@ -94,21 +101,30 @@ def _buf(segment: shared_memory.SharedMemory) -> memoryview:
     return segment.buf
 
 
-def _open_untracked(name: str) -> shared_memory.SharedMemory:
-    """Attach without registering with the resource tracker, which would unlink the owner's segment.
+@contextlib.contextmanager
+def _untracked() -> Iterator[None]:
+    """No resource-tracker bookkeeping for the segments opened, created or unlinked inside.
 
-    Before Python 3.13 (`track=False`) every attach registers the name, and the attaching
-    process's tracker unlinks it at exit; unregistering afterwards is no fix, since a child
-    started by multiprocessing shares its parent's tracker and would drop the owner's entry.
+    Before Python 3.13 (`track=False`) every SharedMemory registers its name, and the process's
+    tracker unlinks it at exit with a "leaked shared_memory objects" warning, an owner's segment
+    included; unregistering afterwards is no fix, since a child started by multiprocessing shares
+    its parent's tracker and would drop the owner's entry. `unlink` unregisters: an unregistered
+    name makes the tracker print a KeyError traceback. The runtime unlinks our segments instead
+    (module docstring).
     """
-    if sys.version_info >= (3, 13):
-        return shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]
-    register = resource_tracker.register
-    resource_tracker.register = lambda *args, **kwargs: None  # shared_memory looks it up per call
+    register, unregister = resource_tracker.register, resource_tracker.unregister
+    resource_tracker.register = resource_tracker.unregister = lambda *args, **kwargs: None  # looked up per call
     try:
-        return shared_memory.SharedMemory(name=name)
+        yield
     finally:
-        resource_tracker.register = register
+        resource_tracker.register, resource_tracker.unregister = register, unregister
+
+
+def _shared_memory(name: str, create: bool = False, size: int = 0) -> shared_memory.SharedMemory:
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, create=create, size=size, track=False)  # type: ignore[call-arg]
+    with _untracked():
+        return shared_memory.SharedMemory(name=name, create=create, size=size)
 
 
 class SharedWeights:
@@ -137,11 +153,12 @@ class SharedWeights:
 
     @classmethod
     def create(cls, specs: TensorSpecs, name: str | None = None) -> SharedWeights:
-        """A new zero-filled segment holding `specs` (name -> (shape, dtype)), owned by this process."""
+        """A new zero-filled segment holding `specs` (name -> (shape, dtype)), owned by this process;
+        named under the run's prefix unless `name` is given (then nobody but `close` unlinks it)."""
         if not specs:
             raise ValueError("SharedWeights.create needs at least one (name -> (shape, dtype)) spec")
         manifest, size = _layout(specs)
-        segment = shared_memory.SharedMemory(name=name, create=True, size=size)
+        segment = _shared_memory(name or f"{segments.process_prefix()}w{secrets.token_hex(3)}", create=True, size=size)
         payload = json.dumps(manifest).encode()
         buf = _buf(segment)
         buf[_PREFIX.size:_PREFIX.size + len(payload)] = payload
@@ -157,7 +174,7 @@ class SharedWeights:
     def attach(cls, segment_name: str) -> SharedWeights:
         """Map an existing segment by name; the creator keeps ownership (this handle never unlinks)."""
         try:
-            segment = _open_untracked(segment_name)
+            segment = _shared_memory(segment_name)
         except FileNotFoundError as exc:
             raise TransportError(f"no shared weight segment named {segment_name!r} on this node") from exc
         buf = _buf(segment)
@@ -243,7 +260,11 @@ class SharedWeights:
         if self._owner:
             self._owner = False
             try:
-                self._segment.unlink()
+                if sys.version_info >= (3, 13):
+                    self._segment.unlink()  # untracked: unregisters nothing
+                else:
+                    with _untracked():
+                        self._segment.unlink()
             except FileNotFoundError:
                 pass  # already unlinked by someone else: nothing left to remove
         try:

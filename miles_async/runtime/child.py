@@ -1,7 +1,9 @@
 """The entry point of a child process that hosts one actor for its owner.
 
 The owner's system starts it with multiprocessing's `spawn` method (a fresh interpreter, never
-a fork of a process that already has threads and sockets). The child binds its own ROUTER,
+a fork of a process that already has threads and sockets). The child names its process for its
+actor (`miles-async: engine-0` in `ps`, `miles:engine-0` in `top`: proctitle.py), joins its
+owner's run (the name prefix of its shared-memory segments: segments.py), binds its own ROUTER,
 constructs the actor, runs `on_start`, registers the name with the run's directory and reports
 `ChildReady` to the owner; a failure at any step is reported as `ChildDied` and the process exits
 with status 1. It exits when told to shut down, when its actor is stopped, or when its parent
@@ -13,11 +15,13 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import pickle
 import signal
 import sys
 from dataclasses import dataclass
 from typing import Any
 
+from miles_async.runtime import proctitle, segments
 from miles_async.runtime.config import RuntimeConfig
 from miles_async.runtime.errors import ActorError, Failure, SpawnError
 from miles_async.runtime.loop import run
@@ -41,9 +45,16 @@ class ChildSpec:
     sys_path: list[str]
     log_level: int
     env: dict[str, str] | None = None  # e.g. CUDA_VISIBLE_DEVICES: set before the actor exists
+    run_tag: str = ""  # the owner's run (segments.py); "" only for a spec built outside a run
 
 
-def main(spec: ChildSpec) -> None:
+def main(name: str, spec_bytes: bytes) -> None:
+    # Named before the spec is unpickled: that imports the actor's module (torch, for an engine or a
+    # trainer), seconds in which `ps` would show only multiprocessing's command line.
+    proctitle.set_title(name)
+    spec: ChildSpec = pickle.loads(spec_bytes)
+    if spec.run_tag:
+        segments.join_run(spec.run_tag)
     # Before anything touches a device: CUDA reads CUDA_VISIBLE_DEVICES when it first initialises.
     os.environ.update(spec.env or {})
     for entry in spec.sys_path:

@@ -12,8 +12,8 @@ of the run reads them back, in place when it can:
     system.dataplane.free([ref])                        # back to the owner (a FreeBlobs tell)
 
 Storage (the owner): segments are files in a shared-memory folder (`RuntimeConfig.dataplane_dir`,
-/dev/shm by default), mode 0600, named `miles-dp-<pid>-<hex>-<seq>` so that a parent finds the
-segments a dead child left, each starting with a 64-byte header (magic, generation token, size),
+/dev/shm by default), mode 0600, named `miles-<run>-<pid>-dp<hex>-<seq>` (segments.py: the run's
+prefix, so that a parent finds the segments a dead child left), each starting with a 64-byte header (magic, generation token, size),
 mapped read-write. Blobs are bump-allocated at 64-byte offsets into the current segment; a blob
 that does not fit its remainder opens a new segment, and one larger than a segment gets a segment
 of its own. Each segment counts its live blobs: an emptied segment is unmapped and unlinked,
@@ -36,7 +36,8 @@ blob whose segment still holds live ones returns its old bytes; the owner's chec
 Freeing and lifetime: `free` releases this process's refs at once and sends the others to their
 owners (`FreeBlobs`, batched per owner, fire and forget). Freeing twice is a no-op. A system
 unlinks its segments when it closes, and unlinks those of a child process it spawned when that
-child dies (so a SIGKILLed child leaks no shared memory). A mapping with views still exported
+child exits (`reap_process`: a SIGKILLed child leaks no shared memory, its shared weights
+included); segments.py lists the backstops behind these (process exit, run exit, dead runs). A mapping with views still exported
 cannot be closed (`mmap.close` raises BufferError): it is dropped instead, and CPython unmaps it
 when the last view goes.
 
@@ -54,14 +55,13 @@ import os
 import re
 import secrets
 import struct
-import tempfile
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from miles_async.runtime import wire
+from miles_async.runtime import segments, wire
 from miles_async.runtime.errors import (
     ActorDeadError,
     ActorError,
@@ -83,7 +83,6 @@ log = logging.getLogger("miles_async.runtime")
 
 DATAPLANE_ACTOR = "$dataplane"
 DATAPLANE_CAPACITY = 1 << 16  # the `$dataplane` mailbox: one sender's unfinished reads and frees
-PREFIX = "miles-dp-"
 ALIGN_BYTES = 64
 MAGIC = b"MILESDP1"
 HEADER = struct.Struct("<8sQQ")  # magic, generation token, segment size
@@ -96,7 +95,7 @@ HEADER_BYTES = ALIGN_BYTES  # the header, padded so that the first blob is align
 # 100 MiB over ipc about twice as fast as 16 MiB pieces on this project's 2-core test machine.
 MAX_PIECE_BYTES = 4 * 1024 * 1024
 PIECES_IN_FLIGHT = 4
-_SEGMENT_NAME = re.compile(r"miles-dp-\d+-[0-9a-f]+-\d+")
+_SEGMENT_NAME = re.compile(r"miles-[0-9a-f]{8}-\d+-dp[0-9a-f]+-\d+")
 _HAS_FALLOCATE = hasattr(os, "posix_fallocate")  # Linux; macOS has none
 _HAS_POPULATE = hasattr(mmap, "MAP_POPULATE")  # Linux
 
@@ -115,11 +114,7 @@ class DataPlaneStats(msgspec.Struct, frozen=True, kw_only=True):
     bytes_fetched: int
 
 
-def default_dataplane_dir() -> str:
-    """/dev/shm where it exists and is writable (tmpfs: memory, not disk), else the temp folder."""
-    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
-        return "/dev/shm"
-    return tempfile.gettempdir()
+default_dataplane_dir = segments.default_folder
 
 
 def _align(num_bytes: int) -> int:
@@ -180,6 +175,7 @@ class DataPlane:
         if not os.path.isdir(self.folder) or not os.access(self.folder, os.W_OK | os.X_OK):
             raise ValueError(f"RuntimeConfig.dataplane_dir {self.folder!r} is not a writable folder: "
                              "create it, or leave the setting unset for /dev/shm")
+        segments.use_folder(self.folder)  # the exit sweeps look there too; dead runs' segments go
         self._system = system
         self._segment_bytes = cfg.dataplane_segment_bytes
         self._max_bytes = cfg.dataplane_max_bytes
@@ -256,7 +252,7 @@ class DataPlane:
                 f"RuntimeConfig.dataplane_max_bytes ({self._max_bytes}); free blobs once their readers are "
                 "done, or raise the setting")
         self._seq += 1
-        name = f"{PREFIX}{os.getpid()}-{self._tag}-{self._seq}"
+        name = f"{segments.process_prefix()}dp{self._tag}-{self._seq}"
         path = os.path.join(self.folder, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -477,22 +473,21 @@ class DataPlane:
                     break
 
     def reap_process(self, pid: int) -> int:
-        """Unlink the segments a dead process `pid` of this node left in the folder (its parent
-        calls this when it sees the child exit); returns how many there were."""
+        """Unlink the segments a dead process `pid` of this run left, its data plane's and any
+        other (shared weights: segments.py), in this folder and the default one (its parent calls
+        this when it sees the child exit); returns how many there were."""
         if pid == os.getpid():
             raise ValueError("reap_process is for dead processes, not this one")
-        prefix = f"{PREFIX}{pid}-"
+        prefix = segments.process_prefix(pid)
         for name in [name for name in self._peers if name.startswith(prefix)]:
             mm = self._peers.pop(name)
             if mm is not None:
                 _unmap(mm)
-        num_unlinked = 0
         with os.scandir(self.folder) as entries:
-            names = [entry.name for entry in entries if entry.name.startswith(prefix)]
+            names = [entry.name for entry in entries if entry.name.startswith(prefix) and _SEGMENT_NAME.fullmatch(entry.name)]
         for name in names:
-            path = os.path.join(self.folder, name)
             try:
-                fd = os.open(path, os.O_WRONLY)
+                fd = os.open(os.path.join(self.folder, name), os.O_WRONLY)
             except FileNotFoundError:
                 continue  # the process unlinked it itself while exiting
             try:
@@ -500,14 +495,10 @@ class DataPlane:
                     os.pwrite(fd, TOKEN.pack(RETIRED), 8)  # siblings that map it see it is gone
             finally:
                 os.close(fd)
-            try:
-                os.unlink(path)
-                num_unlinked += 1
-            except FileNotFoundError:
-                continue
-        if num_unlinked:
-            log.info("unlinked %d shared-memory segments left by process %d", num_unlinked, pid)
-        return num_unlinked
+        gone = segments.reap_process(pid, [self.folder, segments.default_folder()])
+        if gone:
+            log.info("unlinked %d shared-memory segments left by process %d", len(gone), pid)
+        return len(gone)
 
     def close(self) -> None:
         """Unlink every segment of this process and unmap every mapping (the system's teardown)."""

@@ -14,9 +14,10 @@ import logging
 import multiprocessing
 import signal
 import sys
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
-from miles_async.runtime import wire
+from miles_async.runtime import segments, wire
 from miles_async.runtime.actor import Actor
 from miles_async.runtime.errors import (
     ActorDeadError,
@@ -191,13 +192,20 @@ class Supervisor:
             name=rec.name, cls=rec.cls, args=rec.args, kwargs=rec.kwargs, owner=rec.owner,
             owner_address=self.system.address, directory=self.system._directory_address or self.system.address, bind=bind,
             config=self.system.config, key_dir=self.system._key_dir, sys_path=list(sys.path),
-            log_level=logging.getLogger().getEffectiveLevel(), env=rec.env)
+            log_level=logging.getLogger().getEffectiveLevel(), env=rec.env, run_tag=segments.run_tag())
         rec.ready = self.system.loop.create_future()
         rec.exited = self.system.loop.create_future()
         rec.reported = None
-        proc = multiprocessing.get_context("spawn").Process(
-            target=child.main, args=(spec,), name=f"miles-async:{rec.name}")
-        await asyncio.to_thread(proc.start)  # spawning writes the pickled spec; keep the loop free
+
+        def start() -> multiprocessing.process.BaseProcess:
+            # the spec travels pickled inside the arguments, so that the child names its process
+            # before unpickling it imports the actor's module (child.main)
+            process = multiprocessing.get_context("spawn").Process(
+                target=child.main, args=(rec.name, bytes(ForkingPickler.dumps(spec))), name=f"miles-async:{rec.name}")
+            process.start()
+            return process
+
+        proc = await asyncio.to_thread(start)  # pickling and spawning take a while; keep the loop free
         rec.process = proc
         self.system.loop.add_reader(proc.sentinel, self.on_process_exit, rec, proc)
         try:
@@ -239,7 +247,7 @@ class Supervisor:
                 break
             await asyncio.sleep(0.005)
         code = proc.exitcode
-        if code is not None:  # the data-plane segments a killed child could not unlink; at once,
+        if code is not None:  # the shared-memory segments a killed child could not unlink; at once,
             assert proc.pid is not None  # it exited, so it was started and has a pid
             self.system.dataplane.reap_process(proc.pid)  # before its pid is handed out again
         if code is not None and code < 0:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from typing import Any, ClassVar
+from typing import Any
 
 import msgspec
 
@@ -142,6 +142,10 @@ class Family(Message[list[int]]):
     """Ask a parent actor for its pid and its own child process's pid."""
 
 
+class HoldWeights(Message[str]):
+    """Create a small shared-weights segment (as an engine does) and keep it; its name."""
+
+
 
 # -- actors ---------------------------------------------------------------------------------
 
@@ -257,7 +261,10 @@ class FailsToStart(Actor):
 
 
 class BlobKeeper(Actor):
-    """Puts, reads and frees data-plane blobs in its process when asked."""
+    """Puts, reads and frees data-plane blobs in its process when asked; holds shared weights."""
+
+    def __init__(self) -> None:
+        self.held: list[Any] = []  # SharedWeights segments, kept open until the process ends
 
     @handler
     def put_random(self, msg: PutRandom) -> PutInfo:
@@ -282,3 +289,13 @@ class BlobKeeper(Actor):
     @handler
     def pid(self, msg: Pid) -> int:
         return os.getpid()
+
+    @handler
+    def hold_weights(self, msg: HoldWeights) -> str:
+        import torch
+
+        from miles_async.transport.shm import SharedWeights
+
+        weights = SharedWeights.like({"w": torch.ones(64, 16)})
+        self.held.append(weights)
+        return weights.name

@@ -19,7 +19,7 @@ import zmq
 from _actors import BlobKeeper, FreeRefs, Pid, PlaneStats, PutRandom, ReadRef
 from _support import config, raises_within, scenario, signal_if_alive, wait_until
 
-from miles_async.runtime import ActorSystem, BlobGoneError
+from miles_async.runtime import ActorSystem, BlobGoneError, segments
 from miles_async.runtime.dataplane import MAX_PIECE_BYTES, default_dataplane_dir
 
 TIMEOUT_S = 120.0
@@ -42,7 +42,7 @@ def shm_dir() -> Iterator[str]:
 
 
 def _segments_of(folder: str, pid: int) -> list[str]:
-    return sorted(name for name in os.listdir(folder) if name.startswith(f"miles-dp-{pid}-"))
+    return sorted(name for name in os.listdir(folder) if name.startswith(segments.process_prefix(pid)))
 
 
 def test_parent_and_child_read_each_others_blobs_in_place_and_free_them(shm_dir: str) -> None:
@@ -54,7 +54,7 @@ def test_parent_and_child_read_each_others_blobs_in_place_and_free_them(shm_dir:
 
             # the parent reads the child's blob through a read-only mapping of its segment
             theirs = await keeper.ask(PutRandom(num_bytes=200_000))
-            assert theirs.ref.owner == keeper.address and theirs.ref.segment.startswith(f"miles-dp-{child_pid}-")
+            assert theirs.ref.owner == keeper.address and theirs.ref.segment.startswith(segments.process_prefix(child_pid))
             view = await system.dataplane.read(theirs.ref)
             assert hashlib.sha256(view).hexdigest() == theirs.sha256
             view.release()

@@ -133,8 +133,8 @@ def test_the_node_of_the_scheduler_and_buffer_killed_stops_the_run_with_the_caus
 
 
 def spawned_children(pid: int) -> list[int]:
-    """The run's worker processes a launcher started (multiprocessing spawn children, not its
-    resource tracker)."""
+    """The run's worker processes a launcher started (its children named `miles-async: <actor>`,
+    not its resource tracker)."""
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
@@ -142,7 +142,7 @@ def spawned_children(pid: int) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes()
         except (OSError, ValueError):
             continue
-        if ppid == pid and b"spawn_main" in cmdline:
+        if ppid == pid and cmdline.startswith(b"miles-async: "):
             found.append(int(proc.name))
     return found
 

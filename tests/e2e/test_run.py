@@ -23,6 +23,7 @@ from miles_async.actors.engine import EngineStatus
 from miles_async.actors.recipe import load_recipe
 from miles_async.observe import SampleTrace, StepTrace, decode_trace
 from miles_async.runtime import run as run_async
+from miles_async.runtime import segments
 from miles_async.sim import load_trace
 from miles_async.trajectory import decode_data
 
@@ -195,6 +196,54 @@ def test_an_engine_killed_mid_run_loses_no_sample_and_trains_none_twice(tmp_path
         attempts = {s.attempt for s in samples if s.prompt_id == prompt and not s.dropped
                     and s.finish_reason in ("stop", "length")}
         assert attempts
+
+
+def titled(pids: list[int]) -> dict[str, int]:
+    """The `miles-async: <role>` processes among `pids`: role -> pid (runtime/proctitle.py)."""
+    found = {}
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").decode()
+        except OSError:
+            continue
+        if cmdline.startswith("miles-async: "):
+            found[cmdline.removeprefix("miles-async: ")] = pid
+    return found
+
+
+def run_segments(pids: list[int]) -> set[str]:
+    """The runs (`miles-<run>-`) whose shared-memory segments these processes created (segments.py)."""
+    tags = set()
+    for name in os.listdir(segments.default_folder()):
+        parts = name.split("-")
+        if name.startswith(segments.PREFIX) and len(parts) > 3 and parts[2].isdigit() and int(parts[2]) in pids:
+            tags.add(parts[1])
+    return tags
+
+
+@pytest.mark.timeout(240)
+def test_an_engine_sigkilled_mid_run_leaves_no_process_no_shared_memory_and_no_warning(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "miles_async.launch.cli", "run", str(RECIPE), "--out", str(out), "--quiet", *SHORT,
+           "loop.num_steps=6", "rollout.num_engines=2", "eval.mode=none"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (out / "metrics.jsonl").is_file() and len(rows(out)) >= 2, 180, "two RL steps")
+        children = pids_alive(proc.pid)
+        roles = titled([proc.pid, *children])
+        assert {"controller", "engine-0", "engine-1", "trainer-0"} <= roles.keys(), roles
+        tags = run_segments([proc.pid, *children])
+        assert tags, "the engines keep their weights in shared memory (weights.transport auto -> shm)"
+        os.kill(roles["engine-1"], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 30, "the run's processes exit")
+    left = [n for n in os.listdir(segments.default_folder()) if any(n.startswith(f"miles-{t}") for t in tags)]
+    assert left == [], f"shared-memory segments outlived the run: {left}"
+    assert "resource_tracker" not in stderr and "leaked" not in stderr, stderr[-3000:]
 
 
 @pytest.mark.timeout(240)

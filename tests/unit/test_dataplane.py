@@ -27,6 +27,7 @@ from miles_async.runtime import (
     DataPlaneFullError,
     RuntimeConfig,
     run,
+    segments,
 )
 from miles_async.runtime.dataplane import ALIGN_BYTES, DATAPLANE_ACTOR, HEADER_BYTES, default_dataplane_dir
 from miles_async.runtime.messages import ReadBlob
@@ -120,7 +121,7 @@ def test_segments_roll_over_and_are_unlinked_when_empty(shm_dir: str) -> None:
             a, b, c = (dp.put(os.urandom(30 * KiB)) for _ in range(3))
             assert a.segment == b.segment != c.segment  # c did not fit the first segment's remainder
             assert files(shm_dir) == sorted([a.segment, c.segment])
-            assert all(name.startswith(f"miles-dp-{os.getpid()}-") for name in files(shm_dir))
+            assert all(name.startswith(segments.process_prefix()) for name in files(shm_dir))
             assert dp.stats.num_segments == 2
 
             dp.free([a])
@@ -212,7 +213,7 @@ def test_reading_a_freed_blob_fails_clearly(shm_dir: str) -> None:
                 await dp.read(gone)
             text = str(err.value)
             assert gone.segment in text and system.address in text and "freed" in text
-            never = BlobRef(owner=system.address, segment="miles-dp-1-ab-1", token=1, offset=64, size=4)
+            never = BlobRef(owner=system.address, segment=f"{segments.process_prefix(1)}dpab-1", token=1, offset=64, size=4)
             with pytest.raises(BlobGoneError):
                 await dp.read(never)
             dp.free([keep])
@@ -324,18 +325,22 @@ def test_peer_mappings_are_bounded(shm_dir: str) -> None:
 
 def test_reap_process_unlinks_only_that_pids_segments(shm_dir: str) -> None:
     dead_pid = 4_000_000 + os.getpid()  # above any pid_max: surely not running
-    for name in (f"miles-dp-{dead_pid}-ab12-1", f"miles-dp-{dead_pid}-ab12-2", f"miles-dp-{dead_pid}1-cd-1"):
-        with open(os.path.join(shm_dir, name), "wb") as f:
+    dead, other = segments.process_prefix(dead_pid), segments.process_prefix(dead_pid * 10 + 1)
+    weights = os.path.join(segments.default_folder(), f"{dead}w0a1b2c")  # a shared-weights segment of it
+    for path in (os.path.join(shm_dir, f"{dead}dpab12-1"), os.path.join(shm_dir, f"{dead}dpab12-2"),
+                 os.path.join(shm_dir, f"{other}dpcd-1"), weights):
+        with open(path, "wb") as f:
             f.write(b"\0" * 64)
 
     async def main() -> None:
         async with ActorSystem(config=cfg(shm_dir)) as system:
             mine = system.dataplane.put(b"mine")
-            assert system.dataplane.reap_process(dead_pid) == 2
-            assert files(shm_dir) == sorted([f"miles-dp-{dead_pid}1-cd-1", mine.segment])
+            assert system.dataplane.reap_process(dead_pid) == 3
+            assert files(shm_dir) == sorted([f"{other}dpcd-1", mine.segment])
+            assert not os.path.exists(weights)
             with pytest.raises(ValueError):
                 system.dataplane.reap_process(os.getpid())
-            os.unlink(os.path.join(shm_dir, f"miles-dp-{dead_pid}1-cd-1"))
+            os.unlink(os.path.join(shm_dir, f"{other}dpcd-1"))
             system.dataplane.free([mine])
 
     arun(main())
