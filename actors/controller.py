@@ -35,6 +35,17 @@ Outputs in the run folder: metrics.jsonl (one row per step), trace.jsonl (every 
 update and eval: the simulator's input), checkpoints/, config.json (the resolved recipe).
 Ctrl-C (or SIGTERM) stops after the current step, saves a checkpoint, and stops every actor and
 child process; `resume=True` continues from the latest checkpoint.
+
+Checkpoints (`loop.checkpoint_every`, `checkpoint_every_s`, `keep_checkpoints`): between two steps
+the trainer copies its state and writes it in the background while the next step trains, so a
+periodic checkpoint holds the loop up only for the copy (`checkpoint_s` in the next step's
+metrics row). Each holds the run's own state beside the trainer's (`run_state.json`): the RL
+step, the first prompt never admitted, the prompts admitted and not yet trained (generated
+again after a resume, so no prompt is trained twice nor skipped), and how long metrics.jsonl and
+trace.jsonl were. A resume cuts both back to that length (the lines cut go to
+`*.rolled_back.jsonl`), so each step appears once in them however many times the run restarted.
+A run that stops cleanly for any reason while its trainer lives (the end, Ctrl-C, a fatal error
+elsewhere) saves one more, after the last step it recorded.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +95,7 @@ from miles_async.observe import (
     StepTrace,
     TraceLog,
     UpdateTrace,
+    roll_back,
 )
 from miles_async.runtime import ActorDeadError, ActorRef, ActorSystem, RemoteError, RuntimeConfig
 from miles_async.task import load_task
@@ -96,6 +109,7 @@ __all__ = ["Controller", "LocalSpawner", "Node", "RunLostError", "RunResult", "R
 log = logging.getLogger("miles_async.actors.controller")
 ASK_S = 600.0
 WAIT_REPORT_S = 30.0  # a step waiting this long for data says what the buffer holds and dropped
+LAST_CHECKPOINT_S = 120.0  # a fatal error elsewhere: how long the last checkpoint may take
 
 
 class RunLostError(RuntimeError):
@@ -126,6 +140,7 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     wall_s: float
     interrupted: bool
     resumed_from: str | None = None  # the checkpoint this run continued from
+    restarts: int = 0  # how many times it was started again after losing a process (max_restarts)
 
 
 @dataclass(slots=True)
@@ -173,9 +188,14 @@ class Controller:
         self.update_task: asyncio.Future[None] | None = None  # the weight push in flight
         self.joins: asyncio.Queue[Node] = asyncio.Queue()  # nodes (re)joining the running job
         self.rollout_rewards: list[float] = []  # of every sample finished since the last step
+        self.retry_prompts: list[int] = []  # a resumed run's prompts admitted before and not trained
         self.prompt_tokens_sent = 0
         self.cached_tokens = 0
         self.folder = self._prepare_folder()
+        self.resume_point = self._roll_back_logs() if resume else None
+        self.last_checkpoint = (0, time.monotonic())  # (RL step, when) of the latest checkpoint
+        self.checkpoint_s = 0.0  # the last checkpoint's time in the loop's way, for the next row
+        self.launched: _Launched | None = None  # a step sent to the trainer and not yet written down
         self.metrics = MetricsLog(self.run_dir)
         self.trace = TraceLog(self.run_dir)
         self.task = load_task(config.task, load_tokenizer(self.folder.model_dir))
@@ -196,6 +216,23 @@ class Controller:
 
     def _now(self) -> float:
         return time.time() - self.start_time
+
+    def _roll_back_logs(self) -> tuple[Path, dict[str, Any]] | None:
+        """On resume: the latest checkpoint and its run state (None: there is none), with
+        metrics.jsonl and trace.jsonl cut back to their length at that checkpoint (to nothing
+        without one: the run starts over)."""
+        latest = checkpoint.latest(self.run_dir / "checkpoints")
+        state: dict[str, Any] = {}
+        if latest is not None:
+            state = json.loads((latest / "run_state.json").read_text())
+        moved = 0
+        for name, key in (("metrics.jsonl", "metrics_bytes"), ("trace.jsonl", "trace_bytes")):
+            if latest is None or key in state:  # (checkpoints from before these keys: left as they are)
+                moved += roll_back(self.run_dir / name, state.get(key, 0))
+        if moved:
+            log.info("resuming: the steps after %s were cut from metrics.jsonl and trace.jsonl (kept in "
+                     "*.rolled_back.jsonl); they run again", latest.name if latest else "the start")
+        return None if latest is None else (latest, state)
 
     def add_node(self, node: Node) -> None:
         """A node joined the running job (a new one, or one back after it was lost): its engines are
@@ -225,9 +262,15 @@ class Controller:
                                            now=self._now, push=self._push)
                 first_step, first_prompt, sft_steps, sft_acc = await self._resume_or_warm_start()
                 await self.fleet.start_rollout(self.dataset, version=self.version, first_prompt=first_prompt,
-                                               on_sample=self._trace_sample)
+                                               on_sample=self._trace_sample, retry_prompts=self.retry_prompts)
                 async with Liveness(self.fleet, self.stop) as self.liveness:
-                    rewards, samples_per_s, idle = await self._rl(first_step)
+                    try:
+                        rewards, samples_per_s, idle = await self._rl(first_step)
+                    except Exception as e:
+                        await self._last_checkpoint(e)
+                        if self.launched is not None:  # its failure (the same death) is not reported twice
+                            self.launched.train.add_done_callback(_quietly)
+                        raise
                 interrupted = self.stop.is_set()
                 await self._checkpoint()
                 await self.fleet.stop_roles()
@@ -246,17 +289,19 @@ class Controller:
         """(first RL step, first prompt position, SFT steps, SFT probe accuracy)."""
         trainer = self.fleet.trainer
         assert trainer is not None
-        latest = checkpoint.latest(self.run_dir / "checkpoints") if self.resume else None
-        if latest is not None:
+        if self.resume_point is not None:
+            latest, state = self.resume_point
             info = await trainer.ask(LoadCheckpoint(path=str(latest)), ASK_S)
-            state = json.loads((latest / "run_state.json").read_text())
             self.version = info.weight_version
             self.resumed_from = str(latest)
+            self.step = state["rl_step"]
+            self.last_checkpoint = (self.step, time.monotonic())
             await self._push()
             log.info("resumed from %s: RL step %d, weight version %d", latest, state["rl_step"], self.version)
-            return state["rl_step"], state["next_prompt"], 0, None
+            self.retry_prompts = state.get("unfinished", [])
+            return state["rl_step"], state.get("next_new_prompt", state["next_prompt"]), 0, None
         if self.resume:
-            log.info("no checkpoint under %s: starting fresh", self.run_dir / "checkpoints")
+            log.info("no checkpoint under %s: starting over", self.run_dir / "checkpoints")
         assert self.system is not None
         sft_steps, accuracy = await warm_start(
             self.config.sft, task=self.task, dataset=self.dataset, probe=self.probe, trainer=trainer,
@@ -336,11 +381,13 @@ class Controller:
         with Progress(last, enabled=self.show_progress) as progress:
             current = await self._launch(first_step + 1) if first_step < last and not self.stop.is_set() else None
             while current is not None:
-                step = self.step = current.step
+                self.launched = current
                 try:
                     metrics = await current.train
                 finally:  # trained (or failed): the batch's arrays are no longer needed
                     self.system.dataplane.free(blobs(current.samples))
+                step = self.step = current.step
+                self.launched = None
                 end, train_end_s = time.perf_counter(), self._now()
                 train_s, step_s, last_end = end - current.issued, end - last_end, end
                 t1 = time.perf_counter()
@@ -355,12 +402,15 @@ class Controller:
                 if cfg.eval.due(step, last):
                     await self._settle_update()  # evaluate the weights just trained
                     eval_score = await self.evaluator.evaluate(step)
-                checkpoint_due = bool(cfg.loop.checkpoint_every) and step % cfg.loop.checkpoint_every == 0
+                last_step, last_time = self.last_checkpoint
+                checkpoint_due = step < last and cfg.loop.checkpoint_due(step, step - last_step,
+                                                                          time.monotonic() - last_time)
                 upcoming = None
                 if not self.joins.empty() and not self.stop.is_set():
                     await self._admit_nodes()  # the trainer is idle here: it exports the weights they need
                 if step < last and not checkpoint_due and not self.stop.is_set():
-                    upcoming = await self._launch(step + 1)  # the trainer works while this step is written down
+                    # the trainer works while this step is written down
+                    upcoming = self.launched = await self._launch(step + 1)
                 trained += len(current.samples)
                 idle_total += max(step_s - train_s, 0.0)
                 state = await scheduler.ask(GetSchedulerState(), timeout_s=ASK_S)
@@ -378,10 +428,10 @@ class Controller:
                     staleness_max=batch.metrics.drawn_staleness_max, prompt_ids=current.prompt_ids,
                     train_end_s=train_end_s))
                 progress.update(row)
-                if checkpoint_due:
-                    await self._checkpoint()
+                if checkpoint_due and not self.stop.is_set():  # (a stop's own checkpoint comes at the end)
+                    self.checkpoint_s = await self._checkpoint(background=True)
                     if step < last and not self.stop.is_set():
-                        upcoming = await self._launch(step + 1)
+                        upcoming = self.launched = await self._launch(step + 1)
                 current = upcoming
         await self._settle_update()
         wall = time.perf_counter() - rl_start
@@ -412,6 +462,8 @@ class Controller:
             "loss": metrics.loss, "grad_norm": metrics.grad_norm, "entropy": metrics.entropy}
         if eval_score is not None:
             row["eval_score"] = eval_score
+        if self.checkpoint_s:  # a checkpoint was taken before this step: its time in the loop's way
+            row["checkpoint_s"], self.checkpoint_s = self.checkpoint_s, 0.0
         if self.task.multi_turn:  # how much of every turn's prompt the engines' prefix caches held
             row["prefix_cache_hit_rate"] = self.cached_tokens / max(self.prompt_tokens_sent, 1)
         return row
@@ -452,15 +504,44 @@ class Controller:
             for ref in await self.fleet.admit(self.joins.get_nowait(), self.version, self._push):
                 self.liveness.watch_engine(ref)
 
-    async def _checkpoint(self) -> None:
+    async def _checkpoint(self, *, background: bool = False) -> float:
+        """Save a checkpoint after the step last written down (module docstring); the seconds it
+        held the loop up. In the background the trainer replies once its state is copied."""
         assert self.fleet.trainer is not None and self.fleet.scheduler is not None
-        await self._settle_update()
+        start = time.perf_counter()
+        if not background:
+            await self._settle_update()
         state = await self.fleet.scheduler.ask(GetSchedulerState(), timeout_s=ASK_S)
-        # Where the dataset resumes: the lowest prompt not yet trained or discarded (prompts past
-        # it that were already trained are trained again after a resume: at most a few batches).
-        info = await self.fleet.trainer.ask(SaveCheckpoint(), ASK_S)
-        (Path(info.path) / "run_state.json").write_text(json.dumps({"next_prompt": state.next_prompt,
-                                                                     "rl_step": self.step}))
+        run_state = {"rl_step": self.step, "next_prompt": state.next_prompt, "next_new_prompt": state.next_new_prompt,
+                     "unfinished": state.unfinished, "metrics_bytes": self.metrics.path.stat().st_size,
+                     "trace_bytes": self.trace.path.stat().st_size}
+        info = await self.fleet.trainer.ask(SaveCheckpoint(
+            background=background, files={"run_state.json": json.dumps(run_state).encode()},
+            keep=self.config.loop.keep_checkpoints), ASK_S)
+        self.last_checkpoint = (self.step, time.monotonic())
+        held_s = time.perf_counter() - start
+        log.info("checkpoint after RL step %d: %s (%.2fs in the loop's way%s)", self.step, info.path, held_s,
+                 ", written in the background" if background else "")
+        return held_s
+
+    async def _last_checkpoint(self, error: BaseException) -> None:
+        """A fatal error while the trainer lives: save a checkpoint of what was recorded before the
+        run stops (a step sent to the trainer is waited for and counted first). Best effort: a
+        failure here is logged and the run stops with the original error."""
+        if _trainer_failed(error) or self.fleet.trainer is None or self.fleet.scheduler is None:
+            return
+        try:
+            if self.launched is not None:  # the trainer applies it before it can save: count it
+                launched, self.launched = self.launched, None
+                await asyncio.wait_for(asyncio.shield(launched.train), LAST_CHECKPOINT_S)
+                self.step = launched.step
+                await self.fleet.scheduler.tell(TrainerStepped(version=launched.train.result().weight_version,
+                                                               prompt_ids=launched.prompt_ids))
+                log.warning("RL step %d was trained but not written down before the run stopped", self.step)
+            self.update_task = None  # the failed update (or one that never ends) is not waited for
+            await asyncio.wait_for(self._checkpoint(), LAST_CHECKPOINT_S)
+        except Exception as e:  # noqa: BLE001 - the run stops with its own error; this one is said
+            log.warning("no checkpoint could be saved before stopping: %s: %s", type(e).__name__, e)
 
     # ----- records -----
 
@@ -506,7 +587,8 @@ class Controller:
             cause = e.cause if isinstance(e, ActorDeadError) else e.failure
             latest = checkpoint.latest(self.run_dir / "checkpoints")
             resume = (f"--resume continues from {latest}{_rl_step_of(latest)}" if latest is not None else
-                      "no checkpoint was saved yet (loop.checkpoint_every), so --resume starts over")
+                      "no checkpoint was saved yet (loop.checkpoint_every_s, loop.checkpoint_every), so --resume "
+                      "starts over")
             what = "died" if isinstance(e, ActorDeadError) else "failed"
             tail = (f"{what}: {cause.type}: {cause.message}; the run stopped at RL step {self.step} (every process "
                     f"of it has exited); {resume}")
@@ -526,6 +608,16 @@ class Controller:
         self.stop.set()
 
 
+def _quietly(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _trainer_failed(error: BaseException) -> bool:
+    """Whether `error` is a trainer rank's death or failure (no checkpoint can be asked of it then)."""
+    return isinstance(error, (ActorDeadError, RemoteError)) and error.actor.startswith("trainer-")
+
+
 def _rl_step_of(folder: Path) -> str:
     """" (after RL step N)" for a checkpoint folder (named by the trainer's step, SFT steps included)."""
     try:
@@ -534,5 +626,28 @@ def _rl_step_of(folder: Path) -> str:
         return ""
 
 
-async def run(config: RunConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True) -> RunResult:
-    return await Controller(config, run_dir, resume=resume, progress=progress).run()
+async def run(config: RunConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
+              max_restarts: int = 0, on_restart: Callable[[int, RunLostError], None] | None = None,
+              controllers: list[Controller] | None = None) -> RunResult:
+    """One run on this node. When a process it cannot go on without dies or fails (`RunLostError`:
+    a trainer rank, the scheduler, the buffer, the session server), every process of it has exited
+    by the time the error comes; the run then starts again from its latest checkpoint, up to
+    `max_restarts` times (as torchrun does), each restart told to `on_restart(attempt, error)`.
+    `controllers` collects each attempt's `Controller` (tests reach its processes through it)."""
+    restarts = 0
+    while True:
+        controller = Controller(config, run_dir, resume=resume, progress=progress)
+        if controllers is not None:
+            controllers.append(controller)
+        try:
+            result = await controller.run()
+        except RunLostError as e:
+            if restarts >= max_restarts:
+                raise
+            restarts += 1
+            resume = True
+            log.warning("restart %d of %d: %s", restarts, max_restarts, e)
+            if on_restart is not None:
+                on_restart(restarts, e)
+            continue
+        return msgspec.structs.replace(result, restarts=restarts)

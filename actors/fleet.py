@@ -315,7 +315,7 @@ class Fleet:
         self.sessions_url = await self.sessions.ask(SessionsUrl(), timeout_s=ASK_S)
 
     async def start_rollout(self, dataset: list[Any], *, version: int, first_prompt: int,
-                            on_sample: Any) -> None:
+                            on_sample: Any, retry_prompts: list[int] | None = None) -> None:
         """Rollout workers, the scheduler over `dataset` (the task's items) and the buffer; then the
         engines are announced to the scheduler at weight `version`. `on_sample(trajectory, counted)`
         sees every finished sample (through a `SampleRecorder` when the scheduler is elsewhere)."""
@@ -331,7 +331,8 @@ class Fleet:
         buffer = msgspec.structs.replace(cfg.buffer, max_staleness=staleness)
         scheduler_kwargs: dict[str, Any] = {
             "workers": workers, "buffer": "buffer", "seed": cfg.loop.seed if cfg.rollout.seeded else None,
-            "trainer_version": version, "first_prompt": first_prompt, "routed_experts": self.folder.moe_shape is not None}
+            "trainer_version": version, "first_prompt": first_prompt, "retry_prompts": retry_prompts or [],
+            "routed_experts": self.folder.moe_shape is not None}
         if cfg.placement.scheduler != 0:  # it reports each finished sample to a recorder here, for the trace
             await self.system.spawn(SampleRecorder, "sample-recorder", args=(on_sample,))
             scheduler_kwargs["sample_sink"] = "sample-recorder"

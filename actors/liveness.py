@@ -57,6 +57,8 @@ class Liveness:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if not self.lost.done():
             self.lost.cancel()
+        elif not self.lost.cancelled():
+            self.lost.exception()  # the same death usually surfaces first elsewhere (a trainer ask)
 
     def watch_engine(self, ref: ActorRef) -> None:
         self._watch(ref, self._engine_died)

@@ -83,7 +83,13 @@ class LoopConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     max_staleness: int = 2  # used by mode "async" (sync is 0, one_step_off is 1)
     num_steps: int = 100
     batch_groups: int = 8
-    checkpoint_every: int = 0  # 0: only at the end (and on Ctrl-C)
+    # Checkpoints: after a step once `checkpoint_every` steps or `checkpoint_every_s` seconds have
+    # passed since the last one (either; 0 turns that trigger off), written in the background
+    # while the next step trains; at the end of the run and on every clean stop (Ctrl-C, a fatal
+    # error while the trainer lives). The newest `keep_checkpoints` are kept.
+    checkpoint_every: int = 0
+    checkpoint_every_s: float = 120.0  # by default at most about two minutes of work is lost to a crash
+    keep_checkpoints: int = 3
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -91,6 +97,15 @@ class LoopConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise ValueError(f"loop.num_steps, max_staleness and checkpoint_every must be >= 0 and batch_groups >= 1, "
                              f"got {self.num_steps}, {self.max_staleness}, {self.checkpoint_every} and "
                              f"{self.batch_groups}")
+        if not self.checkpoint_every_s >= 0 or self.keep_checkpoints < 1:
+            raise ValueError(f"loop.checkpoint_every_s must be >= 0 and loop.keep_checkpoints >= 1, got "
+                             f"{self.checkpoint_every_s} and {self.keep_checkpoints}")
+
+    def checkpoint_due(self, step: int, steps_since: int, seconds_since: float) -> bool:
+        """Whether a checkpoint is due after `step`, `steps_since` steps and `seconds_since` seconds
+        after the last one (or the run's start)."""
+        return bool((self.checkpoint_every and step % self.checkpoint_every == 0)
+                    or (self.checkpoint_every_s and seconds_since >= self.checkpoint_every_s and steps_since > 0))
 
     @property
     def staleness(self) -> int:

@@ -56,7 +56,9 @@ class SchedulerState(msgspec.Struct, frozen=True, kw_only=True):
     num_pending_groups: int
     num_samples_done: int
     num_groups_put: int
-    next_prompt: int  # the lowest dataset position not yet trained or discarded (the resume cursor)
+    next_prompt: int  # the lowest dataset position not yet trained or discarded
+    next_new_prompt: int = 0  # the first dataset position never admitted
+    unfinished: list[int] = []  # positions below next_new_prompt admitted and not yet trained or discarded
     exhausted: bool
     admission_idle_s: float
     engine_busy_s: dict[str, float]
@@ -119,13 +121,15 @@ class RefillScheduler(Actor):
 
     def __init__(self, config: RefillConfig, dataset: list[Any], sampling: SamplingConfig, *,
                  workers: list[str], buffer: str, seed: int | None = None, trainer_version: int = 0, first_prompt: int = 0,
+                 retry_prompts: list[int] | None = None,
                  on_sample: Callable[[Trajectory, bool], None] | None = None, clock: Clock | None = None,
                  timeout_s: float = 3600.0, routed_experts: bool = False, sample_sink: str = "") -> None:
         if not dataset:
             raise ValueError("the scheduler needs a non-empty dataset of prompts")
         if not workers:
             raise ValueError("the scheduler needs at least one rollout worker")
-        self.policy = RefillPolicy(config, trainer_version=trainer_version, first_prompt_id=first_prompt)
+        self.policy = RefillPolicy(config, trainer_version=trainer_version, first_prompt_id=first_prompt,
+                                   retry_prompt_ids=retry_prompts or ())
         self.dataset = dataset
         self.sampling = sampling
         self.worker_names = workers
@@ -218,6 +222,8 @@ class RefillScheduler(Actor):
             num_in_flight=self.policy.num_in_flight, num_pending_groups=self.policy.num_pending_groups,
             num_samples_done=self.num_samples_done, num_groups_put=self.num_groups_put,
             next_prompt=min(self.unfinished, default=self.policy.next_prompt_id), exhausted=self.policy.exhausted,
+            next_new_prompt=self.policy.next_prompt_id,
+            unfinished=sorted(self.unfinished.union(self.policy.retry_prompt_ids)),
             admission_idle_s=metrics.admission_idle_s, engine_busy_s=busy)
 
     # ----- sending and collecting -----

@@ -36,6 +36,7 @@ import functools
 import gc
 import logging
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,13 +59,15 @@ T = TypeVar("T")
 R = TypeVar("R")
 log = logging.getLogger("miles_async.actors.trainer")
 STOP_TIMEOUT_S = 10.0
+CHECKPOINT_STOP_TIMEOUT_S = 120.0  # a background save finishing before the rank stops
 
 
 class CheckpointInfo(msgspec.Struct, frozen=True, kw_only=True):
-    path: str
+    path: str  # the finished folder (for a background save: where it will be once written)
     step: int
     weight_version: int
     data_cursor: int
+    staged_s: float = 0.0  # the save's time in the caller's way (all of it unless in the background)
 
 
 class WeightManifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -98,7 +101,18 @@ class ExportWeights(Message[WeightManifest], frozen=True):
 
 
 class SaveCheckpoint(Message[CheckpointInfo], frozen=True):
-    """Save a checkpoint (a collective: every rank)."""
+    """Save a checkpoint (a collective: every rank). `background`: reply once the state is copied
+    and write it to disk while the rank goes on (one write at a time: the next save, a load or the
+    stop waits for it). `files` (name -> bytes) go into the folder with it (rank 0's); `keep` > 0
+    prunes to the newest `keep` checkpoints."""
+
+    background: bool = False
+    files: dict[str, bytes] = {}
+    keep: int = 0
+
+
+class WaitCheckpoint(Message[str], frozen=True):
+    """Wait for a background save to be on disk; its folder ("" if none was pending). Raises its error."""
 
 
 class LoadCheckpoint(Message[CheckpointInfo], frozen=True):
@@ -121,6 +135,10 @@ class TrainerRank(Actor):
         self.host = host  # this rank's node address (ranks on several nodes): its gloo/NCCL interface
         self.env = RankEnv(master_addr, master_port, rank, world_size, rank if local_rank is None else local_rank)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"trainer{rank}")
+        # Background checkpoint writes: a thread and a process group of their own (checkpoint.py).
+        self.writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ckpt{rank}")
+        self.writing: asyncio.Future[Path] | None = None
+        self.checkpoint_group: Any = None  # made in _build, on every rank
 
     async def _on_torch_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -134,6 +152,7 @@ class TrainerRank(Actor):
         device = init_distributed(self.config.backend, self.config.process_group_timeout_s)
         self._check_shared_folder()
         self.trainer = Trainer(self.config, device)
+        self.checkpoint_group = dist.new_group(backend="gloo")
 
     def _check_shared_folder(self) -> None:
         """Every rank reads the controller's token file (`TrainerConfig.shared_file`), and all of them
@@ -161,12 +180,19 @@ class TrainerRank(Actor):
     async def on_stop(self) -> None:
         # Bounded: behind a collective whose peer died, the torch thread is stuck until the
         # process group's timeout; the stop must not wait for it (the process exits regardless).
+        if self.writing is not None:  # a background save goes to disk first (or stays a .tmp- folder)
+            try:
+                await asyncio.wait_for(self._written(), CHECKPOINT_STOP_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - the stop goes on; the previous checkpoint stands
+                log.warning("rank %d: the checkpoint being written did not finish: %s", self.env.rank,
+                            type(e).__name__ if isinstance(e, asyncio.TimeoutError) else e)
         try:
             await asyncio.wait_for(self._on_torch_thread(self._leave), STOP_TIMEOUT_S)
         except asyncio.TimeoutError:
             log.warning("rank %d: leaving the process group took over %gs; exiting without it",
                         self.env.rank, STOP_TIMEOUT_S)
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.writer.shutdown(wait=False, cancel_futures=True)
 
     def _leave(self) -> None:
         """Leave the process group, then free the model, optimizer and FSDP state while the
@@ -218,11 +244,31 @@ class TrainerRank(Actor):
     @handler
     async def save_checkpoint(self, msg: SaveCheckpoint) -> CheckpointInfo:
         root = self._checkpoint_dir()
-        path = await self._on_torch_thread(self.trainer.save_checkpoint, root, self._after_write)
-        return self._info(path)
+        start = time.perf_counter()
+        await self._written()
+        staged, meta = await self._on_torch_thread(self.trainer.stage_checkpoint)
+        write = functools.partial(checkpoint.write, root, staged, meta, after_write=self._after_write,
+                                  files=msg.files if self.env.rank == 0 else None, keep=msg.keep,
+                                  process_group=self.checkpoint_group)
+        self.writing = asyncio.wrap_future(self.writer.submit(write))
+        path = checkpoint.step_folder(root, int(meta["step"]))
+        if not msg.background:
+            path = await self._written() or path
+        return msgspec.structs.replace(self._info(path), staged_s=time.perf_counter() - start)
+
+    @handler
+    async def wait_checkpoint(self, msg: WaitCheckpoint) -> str:
+        path = await self._written()
+        return "" if path is None else str(path)
+
+    async def _written(self) -> Path | None:
+        """Wait for the background save in flight, if any (its error raised here, once)."""
+        writing, self.writing = self.writing, None
+        return None if writing is None else await writing
 
     @handler
     async def load_checkpoint(self, msg: LoadCheckpoint) -> CheckpointInfo:
+        await self._written()
         path = Path(msg.path) if msg.path else checkpoint.latest(self._checkpoint_dir())
         if path is None:
             raise ValueError(f"no finished checkpoint under {self._checkpoint_dir()}")

@@ -50,6 +50,23 @@ def _key_value(text: str) -> str:
     return text
 
 
+RESTARTS_HELP = ("when a process the run cannot go on without (a trainer rank, the scheduler, the buffer, the "
+                 "session server) dies or fails, stop every process of the run and start it again from its latest "
+                 "checkpoint, up to N times, as torchrun does (default: %(default)s)")
+
+
+def _restarts(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def restart_line(attempt: int, max_restarts: int, cause: BaseException) -> str:
+    """What a restart says on stderr: which one, and the cause (the run's own one-line error)."""
+    return f"restart {attempt} of {max_restarts}: {cause}"
+
+
 def _not_implemented(verb: str, args: argparse.Namespace, extra: list[str]) -> int:
     print(f"{PROG} {verb}: not implemented yet (see the issue tracker)", file=sys.stderr)
     return NOT_IMPLEMENTED_STATUS
@@ -127,8 +144,12 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         return 2
     logging.basicConfig(level=log_level(args), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"{PROG} run: {args.recipe} -> {out}", file=sys.stderr)
+    def said(attempt: int, error: RunLostError) -> None:
+        print(f"{PROG} run: {restart_line(attempt, args.max_restarts, error)}", file=sys.stderr)
+
     try:
-        result = run_async(run_loop(config, out, resume=args.resume, progress=not args.quiet))
+        result = run_async(run_loop(config, out, resume=args.resume, progress=not args.quiet,
+                                    max_restarts=args.max_restarts, on_restart=said))
     except RunLostError as e:  # a trainer rank, the scheduler, the buffer or the session server died
         print(f"{PROG} run: {e}", file=sys.stderr)
         return 1
@@ -200,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("recipe", metavar="RECIPE.toml", help="the recipe")
     run.add_argument("--out", metavar="DIR", help="run directory (default: a new folder under runs/)")
     run.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    run.add_argument("--max-restarts", type=_restarts, default=0, metavar="N", help=RESTARTS_HELP)
     run.add_argument("--quiet", action="store_true", help="no live progress display, warnings only")
     run.add_argument("--verbose", action="store_true", help="log every weight update, SFT probe and agent turn")
     run.add_argument(
@@ -226,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a node (or process) silent this long is declared lost (default: %(default)s)")
     launch.add_argument("--out", metavar="DIR", help="run directory, on node 0 (default: a new folder under runs/)")
     launch.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    launch.add_argument("--max-restarts", type=_restarts, default=0, metavar="N", help=RESTARTS_HELP)
     launch.add_argument("--quiet", action="store_true", help="no live progress display, warnings only")
     launch.add_argument("--verbose", action="store_true", help="log every weight update, SFT probe and agent turn")
     launch.add_argument("overrides", nargs="*", type=_key_value, metavar="key=value",

@@ -175,9 +175,23 @@ async def watch_nodes(system: Any, controller: Any, agents: dict[int, Any], rdzv
                                          spawner=RemoteSpawner(system, agent), num_gpus=status.num_gpus))
 
 
+async def stop_run(system: Any, agents: dict[int, Any]) -> None:
+    """Stop every process of the run on every node (node 0's own actors, the others' through their
+    agents), the agents staying for the run's next start."""
+    from miles_async.launch.agent import StopChildren
+
+    await system.stop_all("the run restarts")
+    for rank, agent in list(agents.items()):
+        try:
+            await agent.ask(StopChildren(), timeout_s=60.0)
+        except Exception as e:  # noqa: BLE001 - a node gone has nothing left to stop; it may rejoin
+            log.warning("node %d did not confirm that its processes stopped: %s", rank, e)
+
+
 async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str, out: Path, secret: bytes) -> int:
-    from miles_async.actors.controller import Controller
+    from miles_async.actors.controller import Controller, RunLostError
     from miles_async.actors.fleet import LocalSpawner, Node
+    from miles_async.launch.cli import restart_line
     from miles_async.launch.agent import RemoteSpawner, ShutdownNode
     from miles_async.runtime import ActorSystem
 
@@ -195,11 +209,24 @@ async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str
         api_key = hmac.new(secret, f"miles-async engine api {rdzv.run_id}".encode(), hashlib.sha256).hexdigest()
         reason = "the run is over"
         joins: threading.Event | None = None
+        resume, restarts = args.resume, 0
         try:
-            controller = Controller(config, out, resume=args.resume, progress=not args.quiet, runtime=runtime,
-                                    system=system, nodes=nodes, engine_api_key=api_key)
-            joins = serve_joins(system, store, rdzv, secret, controller, agents, args)
-            result = await controller.run()
+            while True:
+                controller = Controller(config, out, resume=resume, progress=not args.quiet, runtime=runtime,
+                                        system=system, nodes=nodes, engine_api_key=api_key)
+                joins = serve_joins(system, store, rdzv, secret, controller, agents, args)
+                try:
+                    result = await controller.run()
+                    break
+                except RunLostError as e:
+                    if restarts >= args.max_restarts:
+                        raise
+                    restarts += 1
+                    resume = True
+                    print(f"{PROG}: {restart_line(restarts, args.max_restarts, e)}", file=sys.stderr)
+                    joins.set()
+                    await stop_run(system, agents)
+            result = msgspec.structs.replace(result, restarts=restarts)
         except BaseException as e:
             reason = f"the run stopped on node 0: {type(e).__name__}: {str(e).split(REMOTE_TRACEBACK)[0].strip()}"
             raise

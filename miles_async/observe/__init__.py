@@ -19,7 +19,7 @@ transport, so any process (the controller, a tool reading a finished run, the si
 it cheaply.
 """
 
-from miles_async.observe.logs import METRICS_FILE, TRACE_FILE, JsonlWriter, MetricsLog, TraceLog
+from miles_async.observe.logs import METRICS_FILE, TRACE_FILE, JsonlWriter, MetricsLog, TraceLog, roll_back
 from miles_async.observe.plot import plot_run, read_metrics
 from miles_async.observe.progress import Progress
 from miles_async.observe.records import (
@@ -50,4 +50,5 @@ __all__ = [
     "decode_trace",
     "plot_run",
     "read_metrics",
+    "roll_back",
 ]

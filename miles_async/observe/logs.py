@@ -84,6 +84,24 @@ def _cut_torn_tail(path: Path) -> None:
         f.truncate(keep)
 
 
+def roll_back(path: Path, size: int) -> int:
+    """Cut the JSONL file at `path` back to its first `size` bytes (what it held when a checkpoint
+    was taken), appending the lines cut to `<stem>.rolled_back.jsonl` beside it: a resumed run
+    writes those steps again, so the file keeps one line per step. Returns the bytes moved."""
+    if not path.exists():
+        return 0
+    with path.open("rb+") as f:
+        end = f.seek(0, os.SEEK_END)
+        if end <= size:
+            return 0
+        f.seek(size)
+        cut = f.read()
+        with path.with_name(f"{path.stem}.rolled_back.jsonl").open("ab") as out:
+            out.write(cut if cut.endswith(b"\n") else cut + b"\n")
+        f.truncate(size)
+    return len(cut)
+
+
 class JsonlWriter:
     """Appends one JSON object per line to `path`, flushing each line. A context manager.
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, deque
+from collections.abc import Iterable
 from typing import Literal
 
 import msgspec
@@ -120,10 +121,14 @@ class _Request(msgspec.Struct, frozen=True, kw_only=True):
 class RefillPolicy:
     """See the module docstring. Every event method returns the submissions to make now."""
 
-    def __init__(self, config: RefillConfig, *, trainer_version: int = 0, first_prompt_id: int = 0) -> None:
-        if trainer_version < 0 or first_prompt_id < 0:
-            raise ValueError(f"need trainer_version >= 0 and first_prompt_id >= 0, got {trainer_version} "
-                             f"and {first_prompt_id}")
+    def __init__(self, config: RefillConfig, *, trainer_version: int = 0, first_prompt_id: int = 0,
+                 retry_prompt_ids: Iterable[int] = ()) -> None:
+        """`first_prompt_id`: the first new prompt; `retry_prompt_ids`: earlier prompts to generate
+        first (a resumed run's prompts that were admitted and not yet trained or discarded)."""
+        retry = list(retry_prompt_ids)
+        if trainer_version < 0 or first_prompt_id < 0 or any(p < 0 or p >= first_prompt_id for p in retry):
+            raise ValueError(f"need trainer_version >= 0, first_prompt_id >= 0 and retry prompts in "
+                             f"[0, first_prompt_id), got {trainer_version}, {first_prompt_id} and {retry}")
         self.config = config
         self.trainer_version = trainer_version
         self._next_prompt_id = first_prompt_id
@@ -149,11 +154,16 @@ class RefillPolicy:
         self._queue: deque[tuple[int, int, int]] = deque()  # admitted samples awaiting a slot
         self._generating: dict[int, list[int]] = {}  # prompt_id -> [attempt, samples done]
         self._generated: dict[int, int] = {}  # prompt_id -> attempt: waiting to be trained or dropped
-        self._retry: deque[tuple[int, int]] = deque()
+        self._retry: deque[tuple[int, int]] = deque((p, 0) for p in dict.fromkeys(retry))
         self._idle_since: float | None = None
         self._idle_s = 0.0
 
     # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def retry_prompt_ids(self) -> list[int]:
+        """Prompts waiting to be generated again (not admitted yet)."""
+        return [prompt_id for prompt_id, _ in self._retry]
 
     @property
     def num_in_flight(self) -> int:

@@ -273,14 +273,19 @@ class ActorSystem:
             return
         self._closing = True
         try:
-            for rec in reversed(list(self.supervisor.children.values())):
-                if rec.state not in (STOPPED, DEAD) or rec.process not in (None, NOT_STARTED):
-                    await self.supervisor.stop_child(rec)
-            for h in reversed(list(self._hosted.values())):
-                if not h.name.startswith("$"):
-                    await self._stop_hosted(h, "its actor system closed")
+            await self.stop_all("its actor system closed")
         finally:
             self._teardown()
+
+    async def stop_all(self, reason: str = "stopped") -> None:
+        """Stop every actor this system started (child processes first, newest first), leaving the
+        system itself serving: e.g. a job started again in the same system."""
+        for rec in reversed(list(self.supervisor.children.values())):
+            if rec.state not in (STOPPED, DEAD) or rec.process not in (None, NOT_STARTED):
+                await self.supervisor.stop_child(rec)
+        for h in reversed(list(self._hosted.values())):
+            if not h.name.startswith("$"):
+                await self._stop_hosted(h, reason)
 
     def _teardown(self) -> None:
         """Release sockets, threads and files; runs even if stopping the actors failed."""

@@ -222,8 +222,13 @@ class Trainer:
 
     def save_checkpoint(self, root: str | Path, after_write: Callable[[Path], None] | None = None) -> Path:
         """Save model, optimizer, RNG, step, version and data cursor under `root` (a collective)."""
+        staged, meta = self.stage_checkpoint()
+        return checkpoint.write(root, staged, meta, after_write=after_write)
+
+    def stage_checkpoint(self) -> tuple[checkpoint.Staged, dict[str, Any]]:
+        """A copy of what a checkpoint holds, to write with `checkpoint.write` while training goes on."""
         meta = {"step": self.step, "weight_version": self.weight_version, "data_cursor": self.data_cursor}
-        return checkpoint.save(root, self.model, self.optimizer, meta, after_write=after_write)
+        return checkpoint.stage(self.model, self.optimizer), meta
 
     def load_checkpoint(self, folder: str | Path) -> dict[str, Any]:
         """Load a checkpoint folder (a collective); returns its meta (step, weight_version, data_cursor)."""
@@ -238,4 +243,5 @@ class Trainer:
         Tied weights appear once, under the first name (`model.embed_tokens.weight`), as a
         Hugging Face checkpoint with `tie_word_embeddings` stores them.
         """
-        return {name: full_tensor(param.detach()).cpu() for name, param in self.model.named_parameters()}
+        # a copy: on one rank on the CPU the full tensor is the parameter itself, which the next step changes
+        return {name: full_tensor(param.detach()).to("cpu", copy=True) for name, param in self.model.named_parameters()}

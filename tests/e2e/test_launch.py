@@ -209,6 +209,30 @@ def test_a_trainer_rank_killed_stops_the_run_with_its_cause_and_resume_continues
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_trainer_rank_killed_with_max_restarts_restarts_every_node_from_the_checkpoint(tmp_path: Path) -> None:
+    port = free_port()
+    out = tmp_path / "run"
+    args = [*SHORT, "loop.num_steps=8", "loop.checkpoint_every=3", "eval.mode=none", "trainer.world_size=2",
+            "placement.engines=[1]", "weights.transport=broadcast", "--heartbeat-timeout-s", "3"]
+    procs = [launcher(0, 2, port, out, *args, "--max-restarts", "1"), launcher(1, 2, port, out, *args)]
+    wait_steps(out, 4, 180, procs)
+    ranks = spawned_children(procs[0].pid)
+    assert len(ranks) == 2, ranks  # the two trainer ranks run on node 0
+    os.kill(ranks[0], 9)
+    (rc0, out0, err0), (rc1, _, err1) = finish(procs, 300)
+    assert rc0 == 0, err0[-3000:]
+    assert rc1 == 0, err1[-3000:]
+    assert "restart 1 of 1: trainer rank 0" in err0 and "Traceback" not in err0, err0[-2000:]
+    summary = json.loads(out0.strip().splitlines()[-1])
+    assert summary["num_steps"] == 8 and summary["restarts"] == 1 and summary["resumed_from"]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))  # the steps after the checkpoint ran again, written once
+    for p in procs:
+        assert session_pids(p.pid) == [], "a process of the run outlived it"
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_node_added_to_a_running_job_serves_after_receiving_the_weights(tmp_path: Path) -> None:
     port, out = free_port(), tmp_path / "run"

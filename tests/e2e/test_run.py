@@ -19,6 +19,7 @@ import pytest
 from _support_run import SHORT, pids_alive, run_cli, wait_for
 
 from miles_async.actors.controller import Controller
+from miles_async.actors.controller import run as run_loop
 from miles_async.actors.engine import EngineStatus
 from miles_async.actors.recipe import load_recipe
 from miles_async.observe import SampleTrace, StepTrace, decode_trace
@@ -175,10 +176,13 @@ def test_an_engine_killed_mid_run_loses_no_sample_and_trains_none_twice(tmp_path
                                   "rollout.sampling.max_new_tokens=24"])
     controller = Controller(config, tmp_path, progress=False)
 
+    killed_s: list[float] = []
+
     async def kill_engine_1():
         victim = next(e for e in controller.fleet.engines if e.name == "engine-1")
         state = await victim.ask(EngineStatus(), timeout_s=30)
         os.kill(state.pid, signal.SIGKILL)
+        killed_s.append(time.time() - controller.start_time)  # the trace's clock
 
     result = run_with_fault(controller, tmp_path, kill_engine_1)
     assert result.num_steps == 8 and not result.interrupted
@@ -188,10 +192,18 @@ def test_an_engine_killed_mid_run_loses_no_sample_and_trains_none_twice(tmp_path
     samples = [r for r in trace if isinstance(r, SampleTrace)]
     counted = {(s.prompt_id, s.attempt, s.index) for s in samples if not s.dropped}
     assert len(counted) == len([s for s in samples if not s.dropped])  # no sample counted twice
-    late = [s for s in samples if s.engine == "engine-1" and s.submit_s > 0]
-    assert late, "engine-1 should have served samples before it died"
-    after_kill = [s for s in samples if s.engine == "engine-0" and s.end_s > max(x.end_s for x in late)]
+    served = [s for s in samples if s.engine == "engine-1" and s.end_s < killed_s[0] and not s.dropped]
+    assert served, "engine-1 should have served samples before it died"
+    # Work that only the survivor can have done: samples asked for after the kill. The staleness
+    # bound makes the last steps need them (their data must be from versions pushed after it).
+    # Not "after engine-1's last sample": its in-flight samples are stamped when their failure is
+    # seen, which can come after the survivor's last sample on a run whose end is a few tenths of a
+    # second away (that comparison failed at random).
+    after_kill = [s for s in samples if s.engine == "engine-0" and s.submit_s > killed_s[0] and not s.dropped
+                  and s.finish_reason in ("stop", "length")]
     assert after_kill, "the surviving engine should have carried on"
+    assert not [s for s in samples if s.engine == "engine-1" and s.submit_s > killed_s[0] and not s.dropped
+                and s.finish_reason in ("stop", "length")], "a dead engine finished samples"
     for prompt in trained:  # each trained group has all its n samples, from one attempt
         attempts = {s.attempt for s in samples if s.prompt_id == prompt and not s.dropped
                     and s.finish_reason in ("stop", "length")}
@@ -244,6 +256,38 @@ def test_an_engine_sigkilled_mid_run_leaves_no_process_no_shared_memory_and_no_w
     left = [n for n in os.listdir(segments.default_folder()) if any(n.startswith(f"miles-{t}") for t in tags)]
     assert left == [], f"shared-memory segments outlived the run: {left}"
     assert "resource_tracker" not in stderr and "leaked" not in stderr, stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_killed_restarts_the_run_from_its_checkpoint_and_no_step_or_prompt_repeats(tmp_path):
+    config = load_recipe(RECIPE, [*SHORT, "loop.num_steps=8", "loop.checkpoint_every=3", "eval.mode=none"])
+    controllers: list[Controller] = []
+    restarts: list[str] = []
+
+    async def main():
+        task = asyncio.ensure_future(run_loop(config, tmp_path, progress=False, max_restarts=1,
+                                              on_restart=lambda n, e: restarts.append(str(e)),
+                                              controllers=controllers))
+        # after the checkpoint of step 3 is on disk and step 4 is written down (it is rolled back)
+        while not (len(rows(tmp_path)) >= 4 if (tmp_path / "metrics.jsonl").is_file() else False) or \
+                not any((p / "run_state.json").is_file() for p in (tmp_path / "checkpoints").glob("step_*")):
+            assert not task.done(), task.exception() if task.done() else ""
+            await asyncio.sleep(0.02)
+        os.kill(controllers[0].system.supervisor.children["trainer-0"].process.pid, signal.SIGKILL)
+        return await task
+
+    result = run_async(main())
+    assert result.num_steps == 8 and result.restarts == 1 and len(controllers) == 2
+    assert len(restarts) == 1 and "trainer rank 0" in restarts[0] and "died" in restarts[0]
+    assert [r["step"] for r in rows(tmp_path)] == list(range(1, 9))  # each step once: the cut ones redone
+    assert (tmp_path / "metrics.rolled_back.jsonl").is_file()
+    trace = decode_trace(tmp_path / "trace.jsonl")
+    steps = [r for r in trace if isinstance(r, StepTrace)]
+    assert [r.step for r in steps] == list(range(1, 9))
+    trained = [p for r in steps for p in r.prompt_ids]
+    assert len(trained) == len(set(trained)) == 8 * 2  # no prompt trained twice across the restart
+    resumed = json.loads((Path(result.resumed_from) / "run_state.json").read_text())
+    assert resumed["rl_step"] >= 3
 
 
 @pytest.mark.timeout(240)

@@ -76,7 +76,7 @@ def test_rank_env_needs_all_torchrun_variables(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_actor_declares_its_handlers() -> None:
-    assert TrainerRank.handler_table().names == ["ExportWeights", "LoadCheckpoint", "SaveCheckpoint", "TrainStep"]
+    assert TrainerRank.handler_table().names == ["ExportWeights", "LoadCheckpoint", "SaveCheckpoint", "TrainStep", "WaitCheckpoint"]
 
 
 def test_steps_lower_the_loss_and_report_metrics(trainer: Trainer) -> None:
@@ -149,6 +149,33 @@ def test_checkpoint_round_trip_and_a_failed_save_keeps_the_previous(trainer: Tra
     assert all(torch.equal(before[name], after[name]) for name in before)
     with pytest.raises(ValueError, match="not a finished checkpoint"):
         trainer.load_checkpoint(tmp_path / f".tmp-{checkpoint.step_folder(tmp_path, saved_step + 1).name}")
+
+
+def test_a_staged_checkpoint_is_the_state_at_staging_even_if_training_goes_on(trainer: Trainer,
+                                                                              tmp_path: Path) -> None:
+    step(trainer, batch(), data_cursor=3)
+    before = trainer.full_state()
+    staged, meta = trainer.stage_checkpoint()
+    step(trainer, batch(), data_cursor=4)  # what a background write runs beside
+    assert not all(torch.equal(before[n], t) for n, t in trainer.full_state().items())
+    folder = checkpoint.write(tmp_path, staged, meta, files={"run_state.json": b'{"rl_step": 1}'})
+    assert json.loads((folder / "run_state.json").read_text()) == {"rl_step": 1}
+    trainer.load_checkpoint(folder)
+    assert trainer.data_cursor == 3 and all(torch.equal(before[n], t) for n, t in trainer.full_state().items())
+
+
+def test_prune_keeps_the_newest_finished_checkpoints(tmp_path: Path) -> None:
+    for n in (2, 4, 6, 8):
+        (checkpoint.step_folder(tmp_path, n) / "x").parent.mkdir()
+        (checkpoint.step_folder(tmp_path, n) / checkpoint.META).write_text("{}")
+    (tmp_path / ".tmp-step_00000003").mkdir()  # a crashed save older than what is kept
+    (tmp_path / ".tmp-step_00000009").mkdir()  # a save in progress
+    gone = checkpoint.prune(tmp_path, 2)
+    assert sorted(p.name for p in gone) == [".tmp-step_00000003", "step_00000002", "step_00000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-step_00000009", "step_00000006", "step_00000008"]
+    assert checkpoint.latest(tmp_path) == checkpoint.step_folder(tmp_path, 8)
+    with pytest.raises(ValueError, match="keep"):
+        checkpoint.prune(tmp_path, 0)
 
 
 def test_moe_step_replays_the_recorded_experts(trainer: Trainer, tmp_path: Path) -> None:
