@@ -290,6 +290,35 @@ def test_a_trainer_killed_restarts_the_run_from_its_checkpoint_and_no_step_or_pr
     assert resumed["rl_step"] >= 3
 
 
+@pytest.mark.timeout(300)
+def test_a_trainer_killed_without_restarts_stops_in_one_line_and_resume_finishes_the_run(tmp_path):
+    out = tmp_path / "run"
+    args = ["run", str(RECIPE), "--out", str(out), "--quiet", *SHORT, "loop.num_steps=8", "loop.checkpoint_every=2",
+            "eval.mode=none"]
+    proc = subprocess.Popen([sys.executable, "-m", "miles_async.launch.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (out / "metrics.jsonl").is_file() and len(rows(out)) >= 3
+                 and any((p / "run_state.json").is_file() for p in (out / "checkpoints").glob("step_*")),
+                 180, "three RL steps and a checkpoint written")
+        children = pids_alive(proc.pid)
+        os.kill(titled(children)["trainer-0"], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if "trainer rank 0" in line]
+    assert len(said) == 1 and "died" in said[0] and "--resume continues from" in said[0], stderr[-3000:]
+    assert "Traceback" not in stderr
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 30, "the run's processes exit")
+    resumed = run_cli([*args, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in rows(out)] == list(range(1, 9))  # the steps after the checkpoint, written once
+    trained = [p for r in decode_trace(out / "trace.jsonl") if isinstance(r, StepTrace) for p in r.prompt_ids]
+    assert len(trained) == len(set(trained)) == 8 * 2
+
+
 @pytest.mark.timeout(240)
 def test_a_rollout_worker_stopped_mid_run_leaves_its_share_to_the_others(tmp_path):
     config = load_recipe(RECIPE, [*SHORT, "loop.num_steps=6", "rollout.num_workers=2", "eval.mode=none"])
