@@ -28,8 +28,10 @@ Who consumes, produces and waits for what:
 
 The rest lives beside it: starting and placing the processes (`fleet.py`), the SFT warm start
 (`warmstart.py`), evaluation (`evaluation.py`), and liveness from the runtime's supervision
-(`liveness.py`: a lost engine leaves the fleet; a lost scheduler, buffer, session server or trainer
-rank ends the run naming it).
+(`liveness.py`: a lost engine leaves the fleet and is started again within `[rollout.restart]`,
+joining between two steps with the current weights, like a node that joins; with no engine left
+the run saves a checkpoint and stops, `EnginesLostError`; a lost scheduler, buffer, session server
+or trainer rank ends the run naming it).
 
 Outputs in the run folder: metrics.jsonl (one row per step), trace.jsonl (every sample, step,
 update and eval: the simulator's input), checkpoints/, config.json (the resolved recipe).
@@ -103,8 +105,8 @@ from miles_async.trainer import checkpoint
 from miles_async.trainer.step import StepMetrics
 from miles_async.trajectory import Trajectory, blobs
 
-__all__ = ["Controller", "LocalSpawner", "Node", "RunLostError", "RunResult", "RunSetupError", "TrainerLostError",
-           "run"]
+__all__ = ["Controller", "EnginesLostError", "LocalSpawner", "Node", "RunLostError", "RunResult", "RunSetupError",
+           "TrainerLostError", "run"]
 
 log = logging.getLogger("miles_async.actors.controller")
 ASK_S = 600.0
@@ -121,6 +123,12 @@ class RunLostError(RuntimeError):
 class TrainerLostError(RunLostError):
     """A trainer rank died or failed: the run cannot go on (the ranks train together). The message
     names the rank, its error, the step, and the checkpoint `--resume` continues from."""
+
+
+class EnginesLostError(RunLostError):
+    """Every rollout engine died for good (`[rollout.restart]`'s limit reached, restarts off, or their
+    nodes lost): a checkpoint was saved and the run stopped. The message names the last engine, its
+    cause, the step, and the checkpoint `--resume` continues from."""
 
 
 ROLES = {"scheduler": "the refill scheduler", "buffer": "the buffer", "sessions": "the session server",
@@ -186,7 +194,9 @@ class Controller:
         self.step = 0
         self.resumed_from: str | None = None
         self.update_task: asyncio.Future[None] | None = None  # the weight push in flight
-        self.joins: asyncio.Queue[Node] = asyncio.Queue()  # nodes (re)joining the running job
+        # Nodes (re)joining the running job, and engines due to restart (by name): admitted between steps.
+        self.joins: asyncio.Queue[Node | str] = asyncio.Queue()
+        self.joining = asyncio.Event()  # set while `joins` holds some: wakes a step waiting for data
         self.rollout_rewards: list[float] = []  # of every sample finished since the last step
         self.retry_prompts: list[int] = []  # a resumed run's prompts admitted before and not trained
         self.prompt_tokens_sent = 0
@@ -238,6 +248,12 @@ class Controller:
         """A node joined the running job (a new one, or one back after it was lost): its engines are
         started, given the current weights, and put to work between two steps."""
         self.joins.put_nowait(node)
+        self.joining.set()
+
+    def _engine_due(self, name: str) -> None:
+        """An engine whose process died is due to start again (`Liveness`; admitted like a node)."""
+        self.joins.put_nowait(name)
+        self.joining.set()
 
     # ----- the whole run -----
 
@@ -263,7 +279,9 @@ class Controller:
                 first_step, first_prompt, sft_steps, sft_acc = await self._resume_or_warm_start()
                 await self.fleet.start_rollout(self.dataset, version=self.version, first_prompt=first_prompt,
                                                on_sample=self._trace_sample, retry_prompts=self.retry_prompts)
-                async with Liveness(self.fleet, self.stop) as self.liveness:
+                async with Liveness(self.fleet, self.stop, restart=self.config.rollout.restart.policy(),
+                                    due=self._engine_due, trace=self.trace, now=self._now,
+                                    version=self.version) as self.liveness:
                     try:
                         rewards, samples_per_s, idle = await self._rl(first_step)
                     except Exception as e:
@@ -273,6 +291,9 @@ class Controller:
                         raise
                 interrupted = self.stop.is_set()
                 await self._checkpoint()
+                if self.liveness.no_engine_left is not None:  # it stopped the run: no more samples can come
+                    raise EnginesLostError(f"{self.liveness.no_engine_left}; the run stopped at RL step {self.step}; "
+                                           f"{self._resume_hint()}")
                 await self.fleet.stop_roles()
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -478,10 +499,17 @@ class Controller:
                                                timeout_s=ASK_S + 10))
         stop = asyncio.ensure_future(self.stop.wait())
         lost = self.liveness.lost
+        joining = asyncio.ensure_future(self.joining.wait())
         waited_s = 0.0
-        waiting: set[asyncio.Future[Any]] = {get, stop, lost}
+        waiting: set[asyncio.Future[Any]] = {get, stop, lost, joining}
         while not (done := (await asyncio.wait(waiting, timeout=WAIT_REPORT_S,
-                                                return_when=asyncio.FIRST_COMPLETED))[0]):
+                                                return_when=asyncio.FIRST_COMPLETED))[0]) or done == {joining}:
+            if joining in done:  # an engine (re)joins: with none left, no batch comes until it serves
+                await self._admit_nodes()
+                waiting.discard(joining)
+                joining = asyncio.ensure_future(self.joining.wait())
+                waiting.add(joining)
+                continue
             waited_s += WAIT_REPORT_S
             state = await buffer.ask(BufferStats(), timeout_s=ASK_S)
             dropped = ", ".join(f"{n} {why}" for why, n in state.dropped.items() if n) or "none"
@@ -490,6 +518,7 @@ class Controller:
                         " (groups whose rewards are all equal are filtered: is the reward always the same?)"
                         if state.dropped.get("filtered") else "")
         stop.cancel()
+        joining.cancel()
         if lost in done:
             get.cancel()
             lost.result()  # raises the death: the run ends with it
@@ -499,10 +528,17 @@ class Controller:
         return None
 
     async def _admit_nodes(self) -> None:
+        """Nodes that joined and engines due to restart join the run (the trainer is idle: it exports
+        the weights they need)."""
         await self._settle_update()  # every engine holds self.version; none is being written
         while not self.joins.empty():
-            for ref in await self.fleet.admit(self.joins.get_nowait(), self.version, self._push):
-                self.liveness.watch_engine(ref)
+            join = self.joins.get_nowait()
+            if isinstance(join, str):
+                await self.liveness.restart_engine(join, self.version, self._push)
+                continue
+            for ref in await self.fleet.admit(join, self.version, self._push):
+                await self.liveness.joined(ref, self.version)
+        self.joining.clear()
 
     async def _checkpoint(self, *, background: bool = False) -> float:
         """Save a checkpoint after the step last written down (module docstring); the seconds it
@@ -585,10 +621,7 @@ class Controller:
             if not role:
                 raise
             cause = e.cause if isinstance(e, ActorDeadError) else e.failure
-            latest = checkpoint.latest(self.run_dir / "checkpoints")
-            resume = (f"--resume continues from {latest}{_rl_step_of(latest)}" if latest is not None else
-                      "no checkpoint was saved yet (loop.checkpoint_every_s, loop.checkpoint_every), so --resume "
-                      "starts over")
+            resume = self._resume_hint()
             what = "died" if isinstance(e, ActorDeadError) else "failed"
             tail = (f"{what}: {cause.type}: {cause.message}; the run stopped at RL step {self.step} (every process "
                     f"of it has exited); {resume}")
@@ -598,6 +631,11 @@ class Controller:
             node = {"scheduler": placement.scheduler, "buffer": placement.buffer, "sessions": placement.sessions}.get(
                 name, 0)
             raise RunLostError(f"{ROLES[name]} ({name}, on node {node}) {tail}") from e
+
+    def _resume_hint(self) -> str:
+        latest = checkpoint.latest(self.run_dir / "checkpoints")
+        return (f"--resume continues from {latest}{_rl_step_of(latest)}" if latest is not None else
+                "no checkpoint was saved yet (loop.checkpoint_every_s, loop.checkpoint_every), so --resume starts over")
 
     def _on_signal(self) -> None:
         if self.stop.is_set():

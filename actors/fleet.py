@@ -5,6 +5,8 @@
     Fleet.start_rollout ──► rollout workers (here), RefillScheduler and Buffer (here, or a process on
                             their node), engines announced to the scheduler
     Fleet.admit ──► a node that joined: its engines, the current weights, then the scheduler
+    Fleet.respawn, Fleet.join ──► an engine whose process died, started again under its name (by
+                            `liveness.Liveness`, under `[rollout.restart]`), joins the same way
 
 A one-node run (`miles-async run`) is node 0 on 127.0.0.1 with a `LocalSpawner`; a multi-node
 run (`miles-async launch`) hands the controller one `Node` per launcher, each with a spawner that
@@ -187,6 +189,16 @@ class SampleRecorder(Actor):
         self.on_sample(msg.sample, msg.counted)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineHome:
+    """Where an engine runs: its node, its environment (its GPU), and how often its node had
+    (re)joined when it started (an engine of an earlier admission is replaced, not restarted)."""
+
+    node: int
+    env: dict[str, str] | None
+    admission: int
+
+
 @dataclass(slots=True)
 class Fleet:
     """The run's processes and how to reach them (module docstring). `config` is the run's
@@ -209,6 +221,8 @@ class Fleet:
     sessions_url: str = ""
     num_engines_started: int = 0
     gpus_given: dict[int, int] = field(default_factory=dict)  # per node: engines given a GPU so far
+    engine_homes: dict[str, EngineHome] = field(default_factory=dict)  # where `respawn` starts each again
+    node_admissions: dict[int, int] = field(default_factory=dict)  # per node: how often it (re)joined
 
     # ----- configs the run derives -----
 
@@ -275,17 +289,21 @@ class Fleet:
             eval_sync = msgspec.structs.replace(sync, delta_dir=str(self.folder.run_dir / "deltas-eval"))
             self.eval_pusher = await self.system.spawn(WeightPusher, "eval-pusher", args=(["eval-engine"], eval_sync))
 
-    async def _spawn_engine(self, name: str, node: Node) -> ActorRef:
+    async def _spawn_engine(self, name: str, node: Node, env: dict[str, str] | None = None) -> ActorRef:
+        """Start engine `name` on `node`: with `env` (a respawn keeps its GPU), else the node's next GPU."""
         rollout = self.config.rollout
+        env = env if env is not None else self._gpu_env(node)
+        self.engine_homes[name] = EngineHome(node=node.rank, env=env,
+                                             admission=self.node_admissions.get(node.rank, 0))
         if rollout.backend != "embedded":  # the actor starts the server (actors/external.py)
             return await node.spawner.spawn(
                 ExternalEngineActor, name, args=(rollout.backend, str(self.folder.model_dir), rollout.server),
                 kwargs={"http_host": node.host, "threads": rollout.engine_threads, "api_key": self.api_key,
-                        "log_dir": str(self.folder.run_dir)}, env=self._gpu_env(node))
+                        "log_dir": str(self.folder.run_dir)}, env=env)
         return await node.spawner.spawn(EngineActor, name, args=(str(self.folder.model_dir), self.engine_config()),
                                         kwargs={"http_host": node.host, "http_port": 0,
                                                 "num_threads": self.config.rollout.engine_threads,
-                                                "api_key": self.api_key}, env=self._gpu_env(node))
+                                                "api_key": self.api_key}, env=env)
 
     def _trainer_placement(self) -> list[RankPlacement]:
         """Each trainer rank's node (spawner, LOCAL_RANK there, address): `placement.trainer`. Ranks
@@ -400,10 +418,9 @@ class Fleet:
 
     async def admit(self, node: Node, version: int, push: Any) -> list[ActorRef]:
         """A node that joined the running job (a new one, or one back after it was lost): its engines
-        start, get weight `version` through a pusher of their own (`await push(pusher)`, skipped at
-        version 0, the model's own weights), join the run's pusher, and are announced to the
-        scheduler and the session server. Call it between steps, with no weight update in flight."""
-        assert self.pusher is not None and self.scheduler is not None
+        start, under new names, and `join` the run. Call it between steps, with no weight update in flight."""
+        self.nodes[node.rank] = node  # its spawner: the agent that answers now (a respawn goes through it)
+        self.node_admissions[node.rank] = self.node_admissions.get(node.rank, 0) + 1  # its old engines: replaced
         count = max(1, sum(1 for n in self.config.placement.engines if n == node.rank))
         await self._give_model(node)
         started = []
@@ -411,21 +428,42 @@ class Fleet:
             name = f"engine-{self.num_engines_started}"
             self.num_engines_started += 1
             ref = await self._spawn_engine(name, node)
-            url = self.engine_urls[name] = await _engine_url(ref)
-            if version > 0:
-                pusher = await self.system.spawn(WeightPusher, f"pusher-{name}", args=([name], self.sync_config()))
-                try:
-                    await push(pusher)
-                finally:
-                    await self.system.stop(pusher)
-            await self.pusher.ask(JoinEngine(name=name), timeout_s=ASK_S)
-            self.engines.append(ref)
-            await self.scheduler.tell(self._add_engine(name, version))
-            if self.sessions is not None:  # agents' sessions are routed by the session server
-                await self.sessions.ask(AddSessionEngine(url=url), timeout_s=ASK_S)
+            await self.join(ref, version, push)
             log.warning("node %d joined: %s serves from weight version %d", node.rank, name, version)
             started.append(ref)
         return started
+
+    async def respawn(self, name: str) -> ActorRef:
+        """A new process for engine `name`, whose process died: on its node, under its name, with its
+        GPU. It loads the model; it serves no rollout until it `join`s the run."""
+        home = self.engine_homes[name]
+        return await self._spawn_engine(name, self.nodes[home.node], home.env)
+
+    def replaced(self, name: str) -> bool:
+        """Whether engine `name`'s node (re)joined since it started: the fresh engines of that
+        admission take its place (a node cut off and back has its stale processes stopped)."""
+        home = self.engine_homes[name]
+        return home.admission < self.node_admissions.get(home.node, 0)
+
+    async def join(self, ref: ActorRef, version: int, push: Any) -> None:
+        """An engine started while the run goes on (`admit`, `respawn`) gets weight `version` through a
+        pusher of its own (`await push(pusher)`, verified as any push; skipped at version 0, the
+        model's own weights), then joins the run's pusher and is announced to the scheduler and the
+        session server. Call it between steps, with no weight update in flight."""
+        assert self.pusher is not None and self.scheduler is not None
+        name = ref.name
+        url = self.engine_urls[name] = await _engine_url(ref)
+        if version > 0:
+            pusher = await self.system.spawn(WeightPusher, f"pusher-{name}", args=([name], self.sync_config()))
+            try:
+                await push(pusher)
+            finally:
+                await self.system.stop(pusher)
+        await self.pusher.ask(JoinEngine(name=name), timeout_s=ASK_S)
+        self.engines.append(ref)
+        await self.scheduler.tell(self._add_engine(name, version))
+        if self.sessions is not None:  # agents' sessions are routed by the session server
+            await self.sessions.ask(AddSessionEngine(url=url), timeout_s=ASK_S)
 
     async def stop_roles(self) -> None:
         """Stop the scheduler, buffer and session server, then the trainer ranks (the actor system's

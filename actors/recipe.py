@@ -6,7 +6,12 @@
     [agent]      actors.rollout.AgentConfig: multi-turn, the agent coroutine and its environment
     [sft]        actors.warmstart.WarmStartConfig: the warm start before RL
     [rollout]    actors.rollout.RolloutConfig: engines, workers, sampling, partial rollouts,
-                 [rollout.engine] (engine.core.EngineConfig), [rollout.sampling]
+                 [rollout.engine] (engine.core.EngineConfig), [rollout.sampling], [rollout.restart]
+                 (actors.rollout.EngineRestartConfig: an engine process that dies is started
+                 again, at most max_restarts = 3 times per engine within within_s = 600 s, after
+                 backoff_s = 1 s doubling per recent restart up to max_backoff_s = 30 s; past
+                 the limit it stays dead, and with no engine left the run saves a checkpoint and
+                 stops with exit status 1; max_restarts = 0 never restarts)
     [scheduler]  policies.refill.RefillConfig: group size, requests in flight, refill level
     [buffer]     policies.buffer.BufferConfig: capacity, what becomes of stale / aborted groups, filter
     [loop]       LoopConfig: mode (sync | one_step_off | async), staleness, steps, batch, checkpoints, seed

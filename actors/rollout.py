@@ -48,7 +48,7 @@ from miles_async.engine.request import GenerateRequest
 from miles_async.engine.sampling import SamplingParams
 from miles_async.models.config import ModelConfig
 from miles_async.models.tokenizer import load_tokenizer
-from miles_async.runtime import Actor, ActorError, ActorRef, Message, handler
+from miles_async.runtime import Actor, ActorError, ActorRef, Message, RestartPolicy, handler
 from miles_async.task import Completion, Task, TaskSpec, decode_item, load_object, load_task
 from miles_async.trajectory import TokenData, Trajectory, VersionSpan, blobs, encode_data
 
@@ -68,6 +68,36 @@ class SamplingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"SamplingConfig.temperature must be >= 0 (0 is greedy), got {self.temperature}")
+
+
+class EngineRestartConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What becomes of an engine whose process dies (the recipe's `[rollout.restart]`).
+
+    It is started again on its node under its name (its samples in flight were already given to
+    the other engines): it loads the model, gets the run's current weight version (verified as any
+    push, `weights.verify`) and only then rejoins the scheduler and the weight pusher. At most
+    `max_restarts` restarts per engine within `within_s` seconds; each waits `backoff_s`, doubled
+    for every restart of that engine still within the window, at most `max_backoff_s`. Past the
+    limit (or with `max_restarts = 0`) the engine stays dead; when no engine is left the run stops:
+    a checkpoint is saved, one line names the cause, exit status 1. An engine whose node is lost
+    is not restarted here: its node's return brings fresh engines (`miles-async launch`)."""
+
+    max_restarts: int = 3
+    within_s: float = 600.0
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0 or self.within_s <= 0 or self.backoff_s < 0 or self.max_backoff_s < 0:
+            raise ValueError(f"rollout.restart needs max_restarts >= 0, within_s > 0, backoff_s >= 0 and "
+                             f"max_backoff_s >= 0, got {self.max_restarts}, {self.within_s}, {self.backoff_s} and "
+                             f"{self.max_backoff_s}")
+
+    def policy(self) -> RestartPolicy:
+        """The runtime's restart policy that decides each restart (`RestartBudget` keeps the count)."""
+        return RestartPolicy(mode="on_failure" if self.max_restarts else "never", max_restarts=self.max_restarts,
+                             within_s=self.within_s, backoff_s=self.backoff_s, backoff_factor=2.0,
+                             max_backoff_s=self.max_backoff_s)
 
 
 class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -91,6 +121,7 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # Give every sample its own sampling seed (from loop.seed and prompt, index, attempt), so a run
     # samples the same whatever the completion order; costs the engine ~10% (a generator per row).
     seeded: bool = False
+    restart: EngineRestartConfig = EngineRestartConfig()  # an engine process that dies is started again
 
     def __post_init__(self) -> None:
         if self.num_engines < 1 or self.num_workers < 1 or self.engine_threads < 0:

@@ -7,7 +7,9 @@ default; `RefillConfig.refill = "group"` frees a group's slots together, for com
                    ├── WeightVersionChanged (pusher side: an engine holds a new version)
                    ├── TrainerStepped (controller: a step trained these prompts)
                    ├── GroupsDropped (buffer: regenerate or forget these prompts)
-                   └── EngineLost (an engine died: its in-flight samples go to the others)
+                   ├── EngineLost (an engine died: its in-flight samples go to the others)
+                   └── AddEngine (an engine joins: at the start, a node joining, or an engine
+                       restarted after its process died, under its old name)
 
 The decisions (what to submit, where, whether admission is open) are
 `policies.refill.RefillPolicy`'s; this actor sends them and collects the answers. A finished
@@ -18,7 +20,8 @@ plane. The dataset's items are the task's, opaque here: a worker turns one into 
 every sample fails (an agent that always raises, a session server or engine refusing at once),
 the refill would spin as fast as the failures come: past 16 failures in a row each one waits
 before its slot is refilled (doubling, up to 5 s), the latest error is logged, and the first
-success ends the wait.
+success ends the wait. The failed requests of an engine already declared lost do not count: they
+were reissued, and the burst of them says nothing of the engines left.
 
 Off the controller's node (`[placement] scheduler`) it reports each finished sample to the
 controller's `sample_sink` actor instead of calling `on_sample`.
@@ -259,7 +262,8 @@ class RefillScheduler(Actor):
                 log.error("rollout worker %s died (%s); the others take its share", worker.name, e)
                 self.workers.remove(worker)
             sample = failed(msg, time.time(), 0, "error", f"{type(e).__name__}: {e}")
-        await self._back_off(sample)
+        if self.policy.owns(sample.request_id):  # not a lost engine's late failures: those say nothing of the others
+            await self._back_off(sample)
         await self._collect(sample)
 
     async def _back_off(self, sample: Trajectory) -> None:

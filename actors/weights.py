@@ -34,6 +34,8 @@ One push, whatever the transport (`WeightSyncConfig.transport`):
 A failure midway aborts the update on every engine (a double-buffered engine keeps serving its
 previous version; a single-buffered one refuses requests until a complete version arrives) and
 resumes them; if this actor dies instead, each engine's update lease runs out and does the same.
+An engine found dead is dropped and the push goes on to the rest; with none left, nothing is
+pushed and the push still succeeds (an engine that comes back gets the current version first).
 
 The heavy work (casting, checksums, sending) runs on this actor's own worker thread.
 Try it: `pytest tests/dist/test_weight_updates.py -s`.
@@ -90,6 +92,7 @@ AUTO = "auto"  # a recipe's: the run picks (actors/fleet.py, Fleet.sync_config)
 VERIFY = ("never", "first", "always")
 Source = Callable[[], Mapping[str, torch.Tensor]]
 Probe = tuple[list[int], list[float]]  # the probe's token ids and their expected log-probs
+NO_ENGINE_LEFT = "NoEngineLeft"  # the cause of the ActorDeadError that ends a push with every engine dead
 
 
 class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -144,7 +147,8 @@ class PushWeights(Message[PushReport], frozen=True):
 
 
 class JoinEngine(Message[None], frozen=True):
-    """Push to this engine too from the next version on (it already holds the current one)."""
+    """Push to this engine too from the next version on (it already holds the current one: a node
+    that joined, or an engine restarted after its process died; `Fleet.admit`)."""
 
     name: str
 
@@ -215,7 +219,7 @@ class WeightPusher(Actor):
             results = [r for ref, r in zip(self.refs, results) if ref.name not in dead]
             await self._forget(dead)
             if not self.refs:
-                raise ActorDeadError(dead[0], Failure(type="NoEngineLeft", message="every engine is dead"))
+                raise _no_engine_left(dead[0])
         return list(results)
 
     @handler
@@ -245,6 +249,22 @@ class WeightPusher(Actor):
 
     @handler
     async def push(self, msg: PushWeights) -> PushReport:
+        """Push a version to every engine (module docstring). With no engine left (all dead, before
+        or during the push) nothing is pushed, which is no error: an engine that comes back gets
+        the current version from a pusher of its own before it joins this one (`Fleet.admit`)."""
+        try:
+            return await self._push(msg) if self.refs else self._nothing_pushed(msg.version)
+        except ActorDeadError as e:
+            if self.refs or e.cause.type != NO_ENGINE_LEFT:
+                raise
+            log.warning("every engine died during the push of version %d: nothing left to push to", msg.version)
+            return self._nothing_pushed(msg.version)
+
+    def _nothing_pushed(self, version: int) -> PushReport:
+        return PushReport(version=version, transport=self.config.transport, seconds=0.0, num_bytes=0,
+                          bytes_per_s=0.0, verified=False, engines=[])
+
+    async def _push(self, msg: PushWeights) -> PushReport:
         cfg = self.config
         converted = await self._on_thread(self._load, msg.manifest)
         states = await self._ask_all(EngineStatus())
@@ -274,8 +294,10 @@ class WeightPusher(Actor):
             # once more to the rest. Anything else is raised.
             await self._find_dead()
             dead = [name for name in before if name not in self.engine_names]
-            if not dead or not self.refs:
+            if not dead:
                 raise
+            if not self.refs:
+                raise _no_engine_left(dead[0]) from None
             log.warning("engines %s died during the push of version %d: pushing again to %s", ", ".join(dead),
                         msg.version, ", ".join(self.engine_names))
             await self._attempt(msg.version, converted, cast, expected, probe)
@@ -493,6 +515,10 @@ class WeightPusher(Actor):
                                          f"{version}: {len(bad)} tensor(s) differ, e.g. {', '.join(bad[:4])}")
         self._base, self._base_version = cast, version
         await self._on_thread(_prune, root, cfg.keep_deltas)
+
+
+def _no_engine_left(name: str) -> ActorDeadError:
+    return ActorDeadError(name, Failure(type=NO_ENGINE_LEFT, message="every engine is dead"))
 
 
 def _cast(named: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:

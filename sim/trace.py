@@ -64,6 +64,8 @@ the 1-based line and the field, e.g. `trace.jsonl:12: field `end_s`: 3.1 is befo
                 An equal version is allowed: with eval.mode = "dedicated" the controller pushes
                 the same weights a second time, to the eval engine, and records that push too
     eval        end_s >= start_s when both were recorded
+    engine      event one of serving/lost/restarted/gone; time_s not before the header. Checked,
+                not returned: the simulator replays a fixed fleet of `num_engines` engines
     segment     the segment returned has at least one train step (an earlier one may have none:
                 a process that stopped before its first step)
 """
@@ -79,7 +81,9 @@ from pathlib import Path
 import msgspec
 
 from miles_async.observe.records import (
+    ENGINE_EVENTS,
     TRACE_SCHEMA,
+    EngineTrace,
     EvalTrace,
     RunTrace,
     SampleTrace,
@@ -281,6 +285,12 @@ def _check_segment(path: str, header: RunTrace, records: list[TraceRecord], numb
             prev_update = r
         elif t is EvalTrace:
             _check_eval(path, numbers[i], r)
+        elif t is EngineTrace:
+            if r.event not in ENGINE_EVENTS:
+                raise _error(path, numbers[i], "event",
+                             f"{r.event!r} is not one of {', '.join(map(repr, ENGINE_EVENTS))}")
+            if r.time_s < earliest:
+                raise _error(path, numbers[i], "time_s", f"{r.time_s} is before the run header's start_s {start}")
     return num_steps
 
 

@@ -4,7 +4,8 @@ Every run writes into its own folder RUN_DIR:
 
     RUN_DIR/metrics.jsonl   one row (a dict of numbers) per train step      `MetricsLog`
     RUN_DIR/trace.jsonl     tagged records: samples, train steps, weight     `TraceLog`,
-                            updates, evals; the simulator's input            `decode_trace`
+                            updates, evals, engines leaving and coming       `decode_trace`
+                            back; the simulator's input
     RUN_DIR/tensorboard/    the metrics mirrored, when `tensorboard` is installed
     RUN_DIR/plots/*.png     written by `plot_run` (`miles-async plot RUN_DIR`)
 
@@ -23,7 +24,9 @@ from miles_async.observe.logs import METRICS_FILE, TRACE_FILE, JsonlWriter, Metr
 from miles_async.observe.plot import plot_run, read_metrics
 from miles_async.observe.progress import Progress
 from miles_async.observe.records import (
+    ENGINE_EVENTS,
     TRACE_SCHEMA,
+    EngineTrace,
     EvalTrace,
     RunTrace,
     SampleTrace,
@@ -34,9 +37,11 @@ from miles_async.observe.records import (
 )
 
 __all__ = [
+    "ENGINE_EVENTS",
     "METRICS_FILE",
     "TRACE_FILE",
     "TRACE_SCHEMA",
+    "EngineTrace",
     "EvalTrace",
     "JsonlWriter",
     "MetricsLog",

@@ -213,7 +213,7 @@ class TraceLog:
 
     def write(self, record: TraceRecord) -> None:
         if not isinstance(record, msgspec.Struct):
-            raise TypeError(f"a trace record is a RunTrace/SampleTrace/StepTrace/UpdateTrace/EvalTrace, "
+            raise TypeError(f"a trace record is a RunTrace/SampleTrace/StepTrace/UpdateTrace/EvalTrace/EngineTrace, "
                             f"got {type(record).__name__}")
         self._writer.write(record)
 

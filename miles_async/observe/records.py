@@ -79,6 +79,18 @@ kind = "eval" (`EvalTrace`): one evaluation of the current policy.
     start_s      s      when it began (0.0 in traces from before this field)
     end_s        s      when it ended; while a "shared" eval runs, rollouts and training wait
 
+kind = "engine" (`EngineTrace`): a rollout engine leaving or coming back.
+    engine          str    the engine actor's name
+    time_s          s      when it happened
+    event           str    "serving": it takes rollouts from here on (at the run's start, and when a
+                           restarted engine holds the current weights); "lost": its process died
+                           (its in-flight samples go to the other engines); "restarted": its process
+                           is up again, model loaded, weights not yet current; "gone": dead for good
+                           (restart limit reached, restarts off, or its node lost)
+    weight_version  int    "serving": the version it serves from; -1 for the other events
+    cause           str    "lost", "gone": why (the failure, or the limit reached); "" otherwise
+    pid             int    "serving", "restarted": the engine's process; 0 otherwise
+
 Write with `logs.TraceLog`; read back with `decode_trace(path)`.
 """
 
@@ -88,7 +100,8 @@ from pathlib import Path
 
 import msgspec
 
-__all__ = ["TRACE_SCHEMA", "EvalTrace", "RunTrace", "SampleTrace", "StepTrace", "TraceRecord", "UpdateTrace", "decode_trace"]
+__all__ = ["ENGINE_EVENTS", "TRACE_SCHEMA", "EngineTrace", "EvalTrace", "RunTrace", "SampleTrace", "StepTrace",
+           "TraceRecord", "UpdateTrace", "decode_trace"]
 
 
 TRACE_SCHEMA = 1
@@ -170,7 +183,19 @@ class EvalTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag
     end_s: float = 0.0
 
 
-TraceRecord = RunTrace | SampleTrace | StepTrace | UpdateTrace | EvalTrace
+ENGINE_EVENTS = ("serving", "lost", "restarted", "gone")
+
+
+class EngineTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="engine"):
+    engine: str
+    time_s: float
+    event: str  # one of ENGINE_EVENTS
+    weight_version: int = -1
+    cause: str = ""
+    pid: int = 0
+
+
+TraceRecord = RunTrace | SampleTrace | StepTrace | UpdateTrace | EvalTrace | EngineTrace
 
 # Built once: the decoder compiles its tagged-union dispatch on construction.
 _decoder = msgspec.json.Decoder(TraceRecord)

@@ -25,15 +25,15 @@ _EXPORTS = {
     "run": "loop",
     "ActorAddress": "messages", "BlobRef": "messages", "Message": "messages",
     "ActorRef": "refs",
-    "RestartPolicy": "supervision",
+    "RestartBudget": "supervision", "RestartPolicy": "supervision",
     "ActorSystem": "system",
 }
 
 __all__ = [
     "Actor", "ActorAddress", "ActorDeadError", "ActorError", "ActorRef", "ActorSystem", "AskTimeoutError",
     "BadMessageError", "BlobGoneError", "BlobRef", "Clock", "DataPlane", "DataPlaneFullError",
-    "DataPlaneStats", "Failure", "MailboxFullError", "Message", "RealClock", "RemoteError", "RestartPolicy",
-    "RuntimeConfig", "SpawnError", "UnknownActorError", "VirtualClock", "handler", "run",
+    "DataPlaneStats", "Failure", "MailboxFullError", "Message", "RealClock", "RemoteError", "RestartBudget",
+    "RestartPolicy", "RuntimeConfig", "SpawnError", "UnknownActorError", "VirtualClock", "handler", "run",
 ]
 
 
@@ -70,5 +70,5 @@ if TYPE_CHECKING:
     from miles_async.runtime.loop import run
     from miles_async.runtime.messages import ActorAddress, BlobRef, Message
     from miles_async.runtime.refs import ActorRef
-    from miles_async.runtime.supervision import RestartPolicy
+    from miles_async.runtime.supervision import RestartBudget, RestartPolicy
     from miles_async.runtime.system import ActorSystem
