@@ -64,7 +64,8 @@ def test_the_recipe_runs_and_writes_metrics_trace_checkpoint_and_plots(tmp_path)
     assert all(r["num_samples"] == 8 and 0 <= r["reward_mean"] <= 1 and r["step_s"] > 0 for r in metrics)
     assert "eval_score" in metrics[1] and "eval_score" not in metrics[0]
     records = decode_trace(out / "trace.jsonl")
-    assert {type(r).__name__ for r in records} == {"RunTrace", "SampleTrace", "StepTrace", "UpdateTrace", "EvalTrace"}
+    assert {type(r).__name__ for r in records} == {"RunTrace", "SampleTrace", "StepTrace", "UpdateTrace", "EvalTrace",
+                                                   "EngineTrace"}  # (engine-0 serving)
     assert type(records[0]).__name__ == "RunTrace" and records[0].batch_groups == 2  # the header, first
     trace = load_trace(out / "trace.jsonl")  # what the simulator reads: checked, the warm start left out
     assert len(trace.steps) == 4 and all(0 < s.train_end_s <= s.end_s for s in trace.steps)
