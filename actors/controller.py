@@ -152,6 +152,19 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 @dataclass(slots=True)
+class _Trained:
+    """A step trained and not yet written down (metrics row, trace record)."""
+
+    launched: _Launched
+    metrics: StepMetrics
+    step_s: float
+    train_s: float
+    train_end_s: float
+    update_s: float = 0.0
+    eval_score: float | None = None
+
+
+@dataclass(slots=True)
 class _Launched:
     """A step whose batch is training: what the controller writes down when it finishes."""
 
@@ -205,7 +218,8 @@ class Controller:
         self.resume_point = self._roll_back_logs() if resume else None
         self.last_checkpoint = (0, time.monotonic())  # (RL step, when) of the latest checkpoint
         self.checkpoint_s = 0.0  # the last checkpoint's time in the loop's way, for the next row
-        self.launched: _Launched | None = None  # a step sent to the trainer and not yet written down
+        self.launched: _Launched | None = None  # a step sent to the trainer, not yet trained
+        self.unrecorded: _Trained | None = None  # a step trained, not yet written down
         self.metrics = MetricsLog(self.run_dir)
         self.trace = TraceLog(self.run_dir)
         self.task = load_task(config.task, load_tokenizer(self.folder.model_dir))
@@ -411,6 +425,7 @@ class Controller:
                 self.launched = None
                 end, train_end_s = time.perf_counter(), self._now()
                 train_s, step_s, last_end = end - current.issued, end - last_end, end
+                trained_step = self.unrecorded = _Trained(current, metrics, step_s, train_s, train_end_s)
                 t1 = time.perf_counter()
                 self.version = metrics.weight_version
                 await scheduler.tell(TrainerStepped(version=self.version, prompt_ids=current.prompt_ids))
@@ -418,11 +433,10 @@ class Controller:
                     manifest = await trainer.ask(ExportWeights(), ASK_S)
                     await self._settle_update()  # one update at a time, in version order
                     self.update_task = asyncio.ensure_future(self._update_engines(manifest))
-                update_s = time.perf_counter() - t1
-                eval_score = None
+                trained_step.update_s = time.perf_counter() - t1
                 if cfg.eval.due(step, last):
                     await self._settle_update()  # evaluate the weights just trained
-                    eval_score = await self.evaluator.evaluate(step)
+                    trained_step.eval_score = await self.evaluator.evaluate(step)
                 last_step, last_time = self.last_checkpoint
                 checkpoint_due = step < last and cfg.loop.checkpoint_due(step, step - last_step,
                                                                           time.monotonic() - last_time)
@@ -438,16 +452,8 @@ class Controller:
                 busy = sum(state.engine_busy_s.values()) - sum(busy_before.values())
                 busy_before = dict(state.engine_busy_s)
                 buffer_state = await buffer.ask(BufferStats(), timeout_s=ASK_S)
-                row = self._row(current, metrics, step_s, train_s, update_s, busy, buffer_state, eval_score)
+                row = self._write_down(trained_step, busy, buffer_state)
                 rewards.append(row["reward_mean"])
-                self.metrics.log(row)
-                batch = current.batch
-                self.trace.write(StepTrace(
-                    step=step, weight_version=self.version, start_s=current.start_s, end_s=self._now(),
-                    wait_data_s=batch.waited_s, train_s=train_s, update_s=update_s, num_samples=len(current.samples),
-                    num_tokens=metrics.num_tokens, staleness_mean=batch.metrics.drawn_staleness_mean,
-                    staleness_max=batch.metrics.drawn_staleness_max, prompt_ids=current.prompt_ids,
-                    train_end_s=train_end_s))
                 progress.update(row)
                 if checkpoint_due and not self.stop.is_set():  # (a stop's own checkpoint comes at the end)
                     self.checkpoint_s = await self._checkpoint(background=True)
@@ -457,6 +463,20 @@ class Controller:
         await self._settle_update()
         wall = time.perf_counter() - rl_start
         return rewards, trained / max(wall, 1e-9), idle_total / max(wall, 1e-9)
+
+    def _write_down(self, t: _Trained, busy: float, buffer_state: BufferState) -> dict[str, Any]:
+        """A trained step's metrics row and trace record; the row."""
+        current, metrics, batch = t.launched, t.metrics, t.launched.batch
+        row = self._row(current, metrics, t.step_s, t.train_s, t.update_s, busy, buffer_state, t.eval_score)
+        self.metrics.log(row)
+        self.trace.write(StepTrace(
+            step=current.step, weight_version=metrics.weight_version, start_s=current.start_s, end_s=self._now(),
+            wait_data_s=batch.waited_s, train_s=t.train_s, update_s=t.update_s, num_samples=len(current.samples),
+            num_tokens=metrics.num_tokens, staleness_mean=batch.metrics.drawn_staleness_mean,
+            staleness_max=batch.metrics.drawn_staleness_max, prompt_ids=current.prompt_ids,
+            train_end_s=t.train_end_s))
+        self.unrecorded = None
+        return row
 
     def _row(self, current: _Launched, metrics: StepMetrics, step_s: float, train_s: float, update_s: float,
              busy: float, buffer_state: BufferState, eval_score: float | None) -> dict[str, Any]:
@@ -567,13 +587,16 @@ class Controller:
         if _trainer_failed(error) or self.fleet.trainer is None or self.fleet.scheduler is None:
             return
         try:
+            if self.unrecorded is not None:  # trained: written down with what is known
+                self._write_down(self.unrecorded, 0.0, BufferState(num_groups=0, dropped={}))
             if self.launched is not None:  # the trainer applies it before it can save: count it
                 launched, self.launched = self.launched, None
-                await asyncio.wait_for(asyncio.shield(launched.train), LAST_CHECKPOINT_S)
-                self.step = launched.step
-                await self.fleet.scheduler.tell(TrainerStepped(version=launched.train.result().weight_version,
+                metrics = await asyncio.wait_for(asyncio.shield(launched.train), LAST_CHECKPOINT_S)
+                self.step, self.version = launched.step, metrics.weight_version
+                await self.fleet.scheduler.tell(TrainerStepped(version=metrics.weight_version,
                                                                prompt_ids=launched.prompt_ids))
-                log.warning("RL step %d was trained but not written down before the run stopped", self.step)
+                self._write_down(_Trained(launched, metrics, 0.0, 0.0, self._now()), 0.0,
+                                 BufferState(num_groups=0, dropped={}))
             self.update_task = None  # the failed update (or one that never ends) is not waited for
             await asyncio.wait_for(self._checkpoint(), LAST_CHECKPOINT_S)
         except Exception as e:  # noqa: BLE001 - the run stops with its own error; this one is said

@@ -22,6 +22,7 @@ from _support_run import SHORT, pids_alive, run_cli, wait_for
 from miles_async.actors.controller import Controller
 from miles_async.actors.controller import run as run_loop
 from miles_async.actors.engine import EngineStatus
+from miles_async.actors.evaluation import Evaluator
 from miles_async.actors.recipe import load_recipe
 from miles_async.observe import EngineTrace, SampleTrace, StepTrace, decode_trace
 from miles_async.runtime import run as run_async
@@ -322,6 +323,29 @@ def test_a_trainer_killed_without_restarts_stops_in_one_line_and_resume_finishes
     assert [r["step"] for r in rows(out)] == list(range(1, 9))  # the steps after the checkpoint, written once
     trained = [p for r in decode_trace(out / "trace.jsonl") if isinstance(r, StepTrace) for p in r.prompt_ids]
     assert len(trained) == len(set(trained)) == 8 * 2
+
+
+@pytest.mark.timeout(300)
+def test_a_fatal_error_while_the_trainer_lives_saves_a_checkpoint_and_resume_writes_each_step_once(tmp_path,
+                                                                                                 monkeypatch):
+    config = load_recipe(RECIPE, [*SHORT, "loop.num_steps=6", "eval.every=3", "loop.checkpoint_every_s=0"])
+
+    async def broken(self, step):
+        raise RuntimeError(f"the evaluator broke at step {step}")
+
+    monkeypatch.setattr(Evaluator, "evaluate", broken)
+    with pytest.raises(RuntimeError, match="the evaluator broke at step 3"):
+        run_async(Controller(config, tmp_path, progress=False).run())
+    assert [r["step"] for r in rows(tmp_path)] == [1, 2, 3]  # step 3 was trained: written down before the stop
+    saved = json.loads((sorted((tmp_path / "checkpoints").glob("step_*"))[-1] / "run_state.json").read_text())
+    assert saved["rl_step"] == 3
+    monkeypatch.undo()
+    result = run_async(Controller(load_recipe(RECIPE, [*SHORT, "loop.num_steps=6", "eval.mode=none"]), tmp_path,
+                                  resume=True, progress=False).run())
+    assert result.num_steps == 6 and result.resumed_from
+    assert [r["step"] for r in rows(tmp_path)] == list(range(1, 7))
+    trained = [p for r in decode_trace(tmp_path / "trace.jsonl") if isinstance(r, StepTrace) for p in r.prompt_ids]
+    assert len(trained) == len(set(trained)) == 6 * 2
 
 
 @pytest.mark.timeout(240)
