@@ -48,7 +48,7 @@ from miles_async.engine.request import GenerateRequest
 from miles_async.engine.sampling import SamplingParams
 from miles_async.models.config import ModelConfig
 from miles_async.models.tokenizer import load_tokenizer
-from miles_async.runtime import Actor, ActorError, ActorRef, Message, RestartPolicy, handler
+from miles_async.runtime import Actor, ActorDeadError, ActorError, ActorRef, Message, RestartPolicy, handler
 from miles_async.task import Completion, Task, TaskSpec, decode_item, load_object, load_task
 from miles_async.trajectory import TokenData, Trajectory, VersionSpan, blobs, encode_data
 
@@ -225,9 +225,16 @@ class RolloutWorker(Actor):
             sampling = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                       top_k=s.top_k, sampling_seed=msg.seed)
             ref = await self._engine_ref(msg.engine_actor)
-            return await ref.ask(Generate(request=GenerateRequest(
-                input_ids=prompt_ids, sampling_params=sampling, return_logprob=True,
-                return_routed_experts=msg.routed_experts)), timeout_s=self.timeout_s)
+            try:
+                return await ref.ask(Generate(request=GenerateRequest(
+                    input_ids=prompt_ids, sampling_params=sampling, return_logprob=True,
+                    return_routed_experts=msg.routed_experts)), timeout_s=self.timeout_s)
+            except ActorDeadError:
+                # An engine started again under its name listens elsewhere (another port on another
+                # node): the next request looks it up afresh.
+                if self.engine_refs.get(msg.engine_actor) is ref:
+                    del self.engine_refs[msg.engine_actor]
+                raise
         params = GenerateParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                                 top_k=s.top_k, seed=msg.seed, return_routed_experts=msg.routed_experts)
         return await self._backend(msg.engine_url).generate(prompt_ids, params, version=msg.engine_version)

@@ -58,7 +58,12 @@ def wait_steps(out: Path, steps: int, timeout_s: float, procs: list[subprocess.P
         if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
             return
         if any(p.poll() is not None for p in procs):
-            raise AssertionError(f"a launcher ended early: {[p.poll() for p in procs]}")
+            for q in procs:
+                if q.poll() is None:
+                    os.killpg(q.pid, 9)
+            said = "\n".join(f"launcher {i} (rc {q.returncode}): {q.communicate()[1][-1500:]}"
+                             for i, q in enumerate(procs))
+            raise AssertionError(f"a launcher ended early:\n{said}")
         time.sleep(0.2)
     raise AssertionError(f"{steps} steps not done within {timeout_s:g}s")
 

@@ -132,6 +132,31 @@ def test_the_node_of_the_scheduler_and_buffer_killed_stops_the_run_with_the_caus
         assert session_pids(p.pid) == [], "a process of the run outlived it"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_engine_process_killed_on_a_node_that_stays_is_started_again_there(tmp_path: Path) -> None:
+    """Its node's agent answers: node 0 starts the engine again through it, with the current weights."""
+    port, out = free_port(), tmp_path / "run"
+    args = [*SHORT, "loop.num_steps=40", "eval.mode=none", "placement.engines=[1]", "weights.transport=broadcast",
+            "--heartbeat-timeout-s", "3"]
+    procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args)]
+    wait_steps(out, 3, 180, procs)
+    engines = [pid for pid in spawned_children(procs[1].pid)
+               if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"miles-async: engine-0")]
+    assert len(engines) == 1, engines  # node 1 runs the engine
+    os.kill(engines[0], 9)
+    (rc0, out0, err0), (rc1, _, err1) = finish(procs, 240)
+    assert rc0 == 0, err0[-3000:]
+    assert rc1 == 0, err1[-3000:]
+    assert json.loads(out0.strip().splitlines()[-1])["num_steps"] == 40
+    events = [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines() if '"kind":"engine"' in line]
+    assert [e["event"] for e in events] == ["serving", "lost", "restarted", "serving"], events
+    back = events[-1]
+    assert back["pid"] != events[0]["pid"] and back["weight_version"] > 0  # a new process, given the trained weights
+    for p in procs:
+        assert session_pids(p.pid) == [], "a process of the run outlived it"
+
+
 def spawned_children(pid: int) -> list[int]:
     """The run's worker processes a launcher started (its children named `miles-async: <actor>`,
     not its resource tracker)."""
@@ -177,17 +202,32 @@ def test_an_agent_run_with_the_session_server_and_engine_on_node_1(tmp_path: Pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_trainer_rank_killed_stops_the_run_with_its_cause_and_resume_continues(tmp_path: Path) -> None:
+def trainer_run(out: Path, num_steps: int, checkpoint_every: int) -> list[str]:
+    """A two-node run's arguments: both trainer ranks on node 0, the engine on node 1."""
+    return [*SHORT, f"loop.num_steps={num_steps}", f"loop.checkpoint_every={checkpoint_every}", "eval.mode=none",
+            "trainer.world_size=2", "placement.engines=[1]", "weights.transport=broadcast", "--heartbeat-timeout-s", "3"]
+
+
+def kill_trainer_rank(out: Path, args: list[str], rank: int, after_steps: int, *node0: str) -> list[subprocess.Popen]:
+    """Start the run's two launchers (`node0`: more arguments for node 0's), SIGKILL trainer rank
+    `rank` once `after_steps` steps are written down; the launchers, still running."""
     port = free_port()
-    out = tmp_path / "run"
-    args = [*SHORT, "loop.num_steps=10", "loop.checkpoint_every=4", "eval.mode=none", "trainer.world_size=2",
-            "placement.engines=[1]", "weights.transport=broadcast", "--heartbeat-timeout-s", "3"]
-    procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args)]
-    wait_steps(out, 6, 180, procs)
+    procs = [launcher(0, 2, port, out, *args, *node0), launcher(1, 2, port, out, *args)]
+    wait_steps(out, after_steps, 180, procs)
     ranks = spawned_children(procs[0].pid)
     assert len(ranks) == 2, ranks  # the two trainer ranks run on node 0
+    victim = [pid for pid in ranks if Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0")
+              == f"miles-async: trainer-{rank}".encode()]
+    assert len(victim) == 1, ranks
+    os.kill(victim[0], 9)
+    return procs
+
+
+def test_a_trainer_rank_killed_stops_the_run_with_its_cause_and_resume_continues(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = trainer_run(out, 10, 4)
+    procs = kill_trainer_rank(out, args, 1, 6)
     started = time.monotonic()
-    os.kill(ranks[1], 9)
     (rc0, _, err0), (rc1, _, err1) = finish(procs, 120)
     assert time.monotonic() - started < 60
     assert rc0 == 1, err0[-3000:]
@@ -205,21 +245,14 @@ def test_a_trainer_rank_killed_stops_the_run_with_its_cause_and_resume_continues
     summary = json.loads(out0.strip().splitlines()[-1])
     assert summary["num_steps"] == 10 and summary["resumed_from"]
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps[-1] == 10 and len(steps) > stopped_at
+    assert steps == list(range(1, 11)) and len(steps) > stopped_at  # the steps after the checkpoint: once
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_trainer_rank_killed_with_max_restarts_restarts_every_node_from_the_checkpoint(tmp_path: Path) -> None:
-    port = free_port()
     out = tmp_path / "run"
-    args = [*SHORT, "loop.num_steps=8", "loop.checkpoint_every=3", "eval.mode=none", "trainer.world_size=2",
-            "placement.engines=[1]", "weights.transport=broadcast", "--heartbeat-timeout-s", "3"]
-    procs = [launcher(0, 2, port, out, *args, "--max-restarts", "1"), launcher(1, 2, port, out, *args)]
-    wait_steps(out, 4, 180, procs)
-    ranks = spawned_children(procs[0].pid)
-    assert len(ranks) == 2, ranks  # the two trainer ranks run on node 0
-    os.kill(ranks[0], 9)
+    procs = kill_trainer_rank(out, trainer_run(out, 8, 3), 0, 4, "--max-restarts", "1")
     (rc0, out0, err0), (rc1, _, err1) = finish(procs, 300)
     assert rc0 == 0, err0[-3000:]
     assert rc1 == 0, err1[-3000:]
