@@ -75,6 +75,15 @@ def test_unknown_argument_is_an_error() -> None:
     assert "unrecognized arguments: --bogus" in result.stderr
 
 
+@pytest.mark.parametrize("verb", [["run", "r.toml"], ["launch", "--nnodes", "1", "--node-rank", "0", "--master-addr",
+                                                  "127.0.0.1", "--master-port", "1", "r.toml"]])
+def test_max_restarts_is_a_count(verb: list[str]) -> None:
+    assert cli.build_parser().parse_args([*verb, "--max-restarts", "2"]).max_restarts == 2
+    assert cli.build_parser().parse_args(verb).max_restarts == 0  # as torchrun: no restart unless asked
+    result = miles_async(*verb, "--max-restarts", "-1")
+    assert result.returncode == 2 and "--max-restarts: must be >= 0, got -1" in result.stderr
+
+
 @pytest.mark.parametrize("argv", [["run", "r.toml", "lr"], ["run", "r.toml", "--out", "runs/x", "lr"]])
 def test_override_must_be_key_value(argv: list[str]) -> None:
     result = miles_async(*argv)
