@@ -132,15 +132,23 @@ def test_the_node_of_the_scheduler_and_buffer_killed_stops_the_run_with_the_caus
         assert session_pids(p.pid) == [], "a process of the run outlived it"
 
 
+def engine_on_node_1(tmp_path: Path, num_steps: int, after_steps: int) -> tuple[Path, int, list[str],
+                                                                                list[subprocess.Popen]]:
+    """A two-node run whose engine is on node 1, once `after_steps` steps are written down: (run folder,
+    port, arguments, the launchers)."""
+    port, out = free_port(), tmp_path / "run"
+    args = [*SHORT, f"loop.num_steps={num_steps}", "eval.mode=none", "placement.engines=[1]",
+            "weights.transport=broadcast", "--heartbeat-timeout-s", "3"]
+    procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args)]
+    wait_steps(out, after_steps, 180, procs)
+    return out, port, args, procs
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_engine_process_killed_on_a_node_that_stays_is_started_again_there(tmp_path: Path) -> None:
     """Its node's agent answers: node 0 starts the engine again through it, with the current weights."""
-    port, out = free_port(), tmp_path / "run"
-    args = [*SHORT, "loop.num_steps=40", "eval.mode=none", "placement.engines=[1]", "weights.transport=broadcast",
-            "--heartbeat-timeout-s", "3"]
-    procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args)]
-    wait_steps(out, 3, 180, procs)
+    out, _, _, procs = engine_on_node_1(tmp_path, 40, 3)
     engines = [pid for pid in spawned_children(procs[1].pid)
                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"miles-async: engine-0")]
     assert len(engines) == 1, engines  # node 1 runs the engine
@@ -268,11 +276,7 @@ def test_a_trainer_rank_killed_with_max_restarts_restarts_every_node_from_the_ch
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_node_added_to_a_running_job_serves_after_receiving_the_weights(tmp_path: Path) -> None:
-    port, out = free_port(), tmp_path / "run"
-    args = [*SHORT, "loop.num_steps=100000", "eval.mode=none", "placement.engines=[1]", "weights.transport=broadcast",
-            "--heartbeat-timeout-s", "3"]
-    procs = [launcher(0, 2, port, out, *args), launcher(1, 2, port, out, *args)]
-    wait_steps(out, 4, 180, procs)
+    out, port, args, procs = engine_on_node_1(tmp_path, 100000, 4)
     procs.append(launcher(2, 3, port, out, *args))  # elastic: a third node, not in the first rendezvous
     wait_engine(out, "engine-1", 180, procs)
     stop_run(procs[0])
