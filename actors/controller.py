@@ -62,7 +62,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,7 +106,7 @@ from miles_async.trainer.step import StepMetrics
 from miles_async.trajectory import Trajectory, blobs
 
 __all__ = ["Controller", "EnginesLostError", "LocalSpawner", "Node", "RunLostError", "RunResult", "RunSetupError",
-           "TrainerLostError", "run"]
+           "TrainerLostError", "run", "run_restarting"]
 
 log = logging.getLogger("miles_async.actors.controller")
 ASK_S = 600.0
@@ -334,7 +334,8 @@ class Controller:
             await self._push()
             log.info("resumed from %s: RL step %d, weight version %d", latest, state["rl_step"], self.version)
             self.retry_prompts = state.get("unfinished", [])
-            return state["rl_step"], state.get("next_new_prompt", state["next_prompt"]), 0, None
+            # (checkpoints from before next_new_prompt held the lowest prompt not trained, "next_prompt")
+            return state["rl_step"], state.get("next_new_prompt", state.get("next_prompt", 0)), 0, None
         if self.resume:
             log.info("no checkpoint under %s: starting over", self.run_dir / "checkpoints")
         assert self.system is not None
@@ -398,8 +399,10 @@ class Controller:
             return None
         samples = [s for group in batch.groups for s in group.samples]
         train = asyncio.ensure_future(self.fleet.trainer.train(samples, timeout_s=ASK_S))
-        return _Launched(step=step, start_s=step_start, batch=batch, samples=samples,
-                         prompt_ids=[g.prompt_id for g in batch.groups], train=train, issued=time.perf_counter())
+        self.launched = _Launched(step=step, start_s=step_start, batch=batch, samples=samples,
+                                  prompt_ids=[g.prompt_id for g in batch.groups], train=train,
+                                  issued=time.perf_counter())
+        return self.launched
 
     async def _rl(self, first_step: int) -> tuple[list[float], float, float]:
         """The steps: each step's batch is trained while the previous step is written down (metrics,
@@ -416,7 +419,6 @@ class Controller:
         with Progress(last, enabled=self.show_progress) as progress:
             current = await self._launch(first_step + 1) if first_step < last and not self.stop.is_set() else None
             while current is not None:
-                self.launched = current
                 try:
                     metrics = await current.train
                 finally:  # trained (or failed): the batch's arrays are no longer needed
@@ -444,8 +446,7 @@ class Controller:
                 if not self.joins.empty() and not self.stop.is_set():
                     await self._admit_nodes()  # the trainer is idle here: it exports the weights they need
                 if step < last and not checkpoint_due and not self.stop.is_set():
-                    # the trainer works while this step is written down
-                    upcoming = self.launched = await self._launch(step + 1)
+                    upcoming = await self._launch(step + 1)  # the trainer works while this step is written down
                 trained += len(current.samples)
                 idle_total += max(step_s - train_s, 0.0)
                 state = await scheduler.ask(GetSchedulerState(), timeout_s=ASK_S)
@@ -458,7 +459,7 @@ class Controller:
                 if checkpoint_due and not self.stop.is_set():  # (a stop's own checkpoint comes at the end)
                     self.checkpoint_s = await self._checkpoint(background=True)
                     if step < last and not self.stop.is_set():
-                        upcoming = self.launched = await self._launch(step + 1)
+                        upcoming = await self._launch(step + 1)
                 current = upcoming
         await self._settle_update()
         wall = time.perf_counter() - rl_start
@@ -568,8 +569,7 @@ class Controller:
         if not background:
             await self._settle_update()
         state = await self.fleet.scheduler.ask(GetSchedulerState(), timeout_s=ASK_S)
-        run_state = {"rl_step": self.step, "next_prompt": state.next_prompt, "next_new_prompt": state.next_new_prompt,
-                     "unfinished": state.unfinished, "metrics_bytes": self.metrics.path.stat().st_size,
+        run_state = {"rl_step": self.step, "next_new_prompt": state.next_new_prompt, "unfinished": state.unfinished, "metrics_bytes": self.metrics.path.stat().st_size,
                      "trace_bytes": self.trace.path.stat().st_size}
         info = await self.fleet.trainer.ask(SaveCheckpoint(
             background=background, files={"run_state.json": json.dumps(run_state).encode()},
@@ -690,25 +690,40 @@ def _rl_step_of(folder: Path) -> str:
 async def run(config: RunConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
               max_restarts: int = 0, on_restart: Callable[[int, RunLostError], None] | None = None,
               controllers: list[Controller] | None = None) -> RunResult:
-    """One run on this node. When a process it cannot go on without dies or fails (`RunLostError`:
-    a trainer rank, the scheduler, the buffer, the session server), every process of it has exited
-    by the time the error comes; the run then starts again from its latest checkpoint, up to
-    `max_restarts` times (as torchrun does), each restart told to `on_restart(attempt, error)`.
-    `controllers` collects each attempt's `Controller` (tests reach its processes through it)."""
-    restarts = 0
-    while True:
+    """One run on this node, started again up to `max_restarts` times (`run_restarting`): each
+    restart told to `on_restart(attempt, error)`. `controllers` collects each attempt's `Controller`
+    (tests reach its processes through it)."""
+
+    def start(resume: bool) -> Controller:
         controller = Controller(config, run_dir, resume=resume, progress=progress)
         if controllers is not None:
             controllers.append(controller)
+        return controller
+
+    async def restarting(attempt: int, error: RunLostError) -> None:
+        if on_restart is not None:
+            on_restart(attempt, error)
+
+    return await run_restarting(start, resume=resume, max_restarts=max_restarts, on_restart=restarting)
+
+
+async def run_restarting(start: Callable[[bool], Controller], *, resume: bool, max_restarts: int,
+                         on_restart: Callable[[int, RunLostError], Awaitable[None]]) -> RunResult:
+    """Run `start(resume)`'s controller. When a process the run cannot go on without dies or fails
+    (`RunLostError`: a trainer rank, the scheduler, the buffer, the session server, every engine),
+    `await on_restart(attempt, error)` (it stops what is left of the run: on one node everything
+    has exited by then) and the run starts again from its latest checkpoint, up to `max_restarts`
+    times, as torchrun does; then the error is raised. The result counts the restarts."""
+    restarts = 0
+    while True:
         try:
-            result = await controller.run()
+            result = await start(resume).run()
         except RunLostError as e:
             if restarts >= max_restarts:
                 raise
             restarts += 1
             resume = True
             log.warning("restart %d of %d: %s", restarts, max_restarts, e)
-            if on_restart is not None:
-                on_restart(restarts, e)
+            await on_restart(restarts, e)
             continue
         return msgspec.structs.replace(result, restarts=restarts)

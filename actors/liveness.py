@@ -23,7 +23,7 @@ back (`launch.launcher.watch_nodes`) or relaunched, `Fleet.admit` brings fresh e
 
 Use: `async with Liveness(fleet, stop, ...) as liveness: ...` around the RL loop (it watches the
 fleet's engines and roles at entry; `joined` adds an engine that joins later). Try it:
-`tests/unit/test_liveness_restart.py`, `tests/e2e/test_engine_restart.py`.
+`tests/unit/test_engine_restarts.py`, `tests/e2e/test_engine_restart.py`.
 """
 
 from __future__ import annotations
@@ -157,9 +157,7 @@ class Liveness:
 
     def _retry(self, name: str, failure: Failure) -> None:
         """Restart `name` after its backoff, if its budget allows; else it is gone."""
-        if self.fleet.replaced(name):
-            node = self.fleet.engine_homes[name].node
-            self._gone(name, f"its node {node} joined again: fresh engines took its place")
+        if self._replaced(name):
             return
         delay = self.budget.next_delay(name, self.loop.time())
         if delay is None:
@@ -173,6 +171,13 @@ class Liveness:
         log.warning("engine %s: restart %d of %d in %.1fs", name, self.budget.recent(name, self.loop.time()),
                     self.budget.policy.max_restarts, delay)
         self._timers[name] = self.loop.call_later(delay, self._due, name)
+
+    def _replaced(self, name: str) -> bool:
+        """Whether `name`'s node joined again since it started (it is gone then: fresh engines took its place)."""
+        if not self.fleet.replaced(name):
+            return False
+        self._gone(name, f"its node {self.fleet.engine_homes[name].node} joined again: fresh engines took its place")
+        return True
 
     def _due(self, name: str) -> None:
         self._timers.pop(name, None)
@@ -195,8 +200,7 @@ class Liveness:
         Call it between steps, with no weight update in flight. A failure counts as another death."""
         fleet = self.fleet
         node = fleet.engine_homes[name].node
-        if fleet.replaced(name):
-            self._gone(name, f"its node {node} joined again: fresh engines took its place")
+        if self._replaced(name):
             return
         try:
             ref = await fleet.respawn(name)

@@ -59,9 +59,8 @@ class SchedulerState(msgspec.Struct, frozen=True, kw_only=True):
     num_pending_groups: int
     num_samples_done: int
     num_groups_put: int
-    next_prompt: int  # the lowest dataset position not yet trained or discarded
-    next_new_prompt: int = 0  # the first dataset position never admitted
-    unfinished: list[int] = []  # positions below next_new_prompt admitted and not yet trained or discarded
+    next_new_prompt: int  # the first dataset position never admitted
+    unfinished: list[int]  # positions below next_new_prompt admitted and not yet trained or discarded
     exhausted: bool
     admission_idle_s: float
     engine_busy_s: dict[str, float]
@@ -224,8 +223,7 @@ class RefillScheduler(Actor):
             trainer_version=self.policy.trainer_version, policy_version=self.policy.policy_version,
             num_in_flight=self.policy.num_in_flight, num_pending_groups=self.policy.num_pending_groups,
             num_samples_done=self.num_samples_done, num_groups_put=self.num_groups_put,
-            next_prompt=min(self.unfinished, default=self.policy.next_prompt_id), exhausted=self.policy.exhausted,
-            next_new_prompt=self.policy.next_prompt_id,
+            exhausted=self.policy.exhausted, next_new_prompt=self.policy.next_prompt_id,
             unfinished=sorted(self.unfinished.union(self.policy.retry_prompt_ids)),
             admission_idle_s=metrics.admission_idle_s, engine_busy_s=busy)
 

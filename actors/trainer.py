@@ -36,7 +36,6 @@ import functools
 import gc
 import logging
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +66,6 @@ class CheckpointInfo(msgspec.Struct, frozen=True, kw_only=True):
     step: int
     weight_version: int
     data_cursor: int
-    staged_s: float = 0.0  # the save's time in the caller's way (all of it unless in the background)
 
 
 class WeightManifest(msgspec.Struct, frozen=True, kw_only=True):
@@ -109,10 +107,6 @@ class SaveCheckpoint(Message[CheckpointInfo], frozen=True):
     background: bool = False
     files: dict[str, bytes] = {}
     keep: int = 0
-
-
-class WaitCheckpoint(Message[str], frozen=True):
-    """Wait for a background save to be on disk; its folder ("" if none was pending). Raises its error."""
 
 
 class LoadCheckpoint(Message[CheckpointInfo], frozen=True):
@@ -244,7 +238,6 @@ class TrainerRank(Actor):
     @handler
     async def save_checkpoint(self, msg: SaveCheckpoint) -> CheckpointInfo:
         root = self._checkpoint_dir()
-        start = time.perf_counter()
         await self._written()
         staged, meta = await self._on_torch_thread(self.trainer.stage_checkpoint)
         write = functools.partial(checkpoint.write, root, staged, meta, after_write=self._after_write,
@@ -254,12 +247,7 @@ class TrainerRank(Actor):
         path = checkpoint.step_folder(root, int(meta["step"]))
         if not msg.background:
             path = await self._written() or path
-        return msgspec.structs.replace(self._info(path), staged_s=time.perf_counter() - start)
-
-    @handler
-    async def wait_checkpoint(self, msg: WaitCheckpoint) -> str:
-        path = await self._written()
-        return "" if path is None else str(path)
+        return self._info(path)
 
     async def _written(self) -> Path | None:
         """Wait for the background save in flight, if any (its error raised here, once)."""

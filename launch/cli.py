@@ -144,6 +144,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         return 2
     logging.basicConfig(level=log_level(args), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"{PROG} run: {args.recipe} -> {out}", file=sys.stderr)
+
     def said(attempt: int, error: RunLostError) -> None:
         print(f"{PROG} run: {restart_line(attempt, args.max_restarts, error)}", file=sys.stderr)
 

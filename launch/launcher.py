@@ -189,7 +189,7 @@ async def stop_run(system: Any, agents: dict[int, Any]) -> None:
 
 
 async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str, out: Path, secret: bytes) -> int:
-    from miles_async.actors.controller import Controller, RunLostError
+    from miles_async.actors.controller import Controller, RunLostError, run_restarting
     from miles_async.actors.fleet import LocalSpawner, Node
     from miles_async.launch.cli import restart_line
     from miles_async.launch.agent import RemoteSpawner, ShutdownNode
@@ -209,24 +209,23 @@ async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str
         api_key = hmac.new(secret, f"miles-async engine api {rdzv.run_id}".encode(), hashlib.sha256).hexdigest()
         reason = "the run is over"
         joins: threading.Event | None = None
-        resume, restarts = args.resume, 0
+
+        def start(resume: bool) -> Controller:
+            nonlocal joins
+            controller = Controller(config, out, resume=resume, progress=not args.quiet, runtime=runtime,
+                                    system=system, nodes=nodes, engine_api_key=api_key)
+            joins = serve_joins(system, store, rdzv, secret, controller, agents, args)
+            return controller
+
+        async def restarting(attempt: int, error: RunLostError) -> None:
+            print(f"{PROG}: {restart_line(attempt, args.max_restarts, error)}", file=sys.stderr)
+            assert joins is not None
+            joins.set()  # the next start serves joins of its own
+            await stop_run(system, agents)
+
         try:
-            while True:
-                controller = Controller(config, out, resume=resume, progress=not args.quiet, runtime=runtime,
-                                        system=system, nodes=nodes, engine_api_key=api_key)
-                joins = serve_joins(system, store, rdzv, secret, controller, agents, args)
-                try:
-                    result = await controller.run()
-                    break
-                except RunLostError as e:
-                    if restarts >= args.max_restarts:
-                        raise
-                    restarts += 1
-                    resume = True
-                    print(f"{PROG}: {restart_line(restarts, args.max_restarts, e)}", file=sys.stderr)
-                    joins.set()
-                    await stop_run(system, agents)
-            result = msgspec.structs.replace(result, restarts=restarts)
+            result = await run_restarting(start, resume=args.resume, max_restarts=args.max_restarts,
+                                          on_restart=restarting)
         except BaseException as e:
             reason = f"the run stopped on node 0: {type(e).__name__}: {str(e).split(REMOTE_TRACEBACK)[0].strip()}"
             raise

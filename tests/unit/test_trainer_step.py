@@ -76,7 +76,7 @@ def test_rank_env_needs_all_torchrun_variables(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_actor_declares_its_handlers() -> None:
-    assert TrainerRank.handler_table().names == ["ExportWeights", "LoadCheckpoint", "SaveCheckpoint", "TrainStep", "WaitCheckpoint"]
+    assert TrainerRank.handler_table().names == ["ExportWeights", "LoadCheckpoint", "SaveCheckpoint", "TrainStep"]
 
 
 def test_steps_lower_the_loss_and_report_metrics(trainer: Trainer) -> None:
