@@ -229,12 +229,12 @@ class NodeAgent(Actor):
     async def put_file(self, msg: PutFile) -> None:
         await asyncio.to_thread(_put, msg.folder, msg.file, msg.offset, msg.data)
 
-    @handler
+    @handler(concurrent=True)  # the launcher's liveness probe: never queued behind a spawn (seconds)
     async def status(self, msg: GetNodeStatus) -> NodeStatus:
         return NodeStatus(node_rank=self.node_rank, host=self.host, hostname=socket.gethostname(), pid=os.getpid(),
                           num_gpus=self.num_gpus, children=list(self.children))
 
-    @handler
+    @handler(concurrent=True)
     async def free_port(self, msg: FreePort) -> int:
         return free_port(self.host)
 
