@@ -84,12 +84,14 @@ def joined_at(err: str, engine: str) -> int:
 
 
 def wait_engine(out: Path, engine: str, timeout_s: float, procs: list[subprocess.Popen]) -> None:
-    """Until the run's trace holds a sample of `engine` (it joined and served)."""
+    """Until the run's trace holds a sample of `engine` (it joined and served): its engine records
+    ("serving" comes before any sample) do not count."""
     deadline = time.monotonic() + timeout_s
     needle = f'"engine":"{engine}"'
     while time.monotonic() < deadline:
         trace = out / "trace.jsonl"
-        if trace.exists() and needle in trace.read_text():
+        lines = trace.read_text().splitlines() if trace.exists() else []
+        if any(needle in line and json.loads(line)["kind"] == "sample" for line in lines if line.endswith("}")):
             return
         if procs[0].poll() is not None:
             raise AssertionError(f"node 0 ended (status {procs[0].returncode}) before {engine} served")
