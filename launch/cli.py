@@ -28,7 +28,8 @@ NOT_IMPLEMENTED_STATUS = 2
 # Each target is the module miles_async.bench.<target>; the text names the peer it is measured against.
 BENCH_TARGETS = {
     "runtime": "actor messaging, side by side with Ray and raw ZeroMQ",
-    "engine": "embedded-engine generation, side by side with HF generate",
+    "engine": "embedded-engine generation, side by side with HF generate (--vs-vllm: with vLLM's CPU build)",
+    "trainer": "a SmolLM2-135M training step, side by side with transformers and torch AdamW",
     "weights": "weight transports, side by side with memcpy",
     "loop": "the RL loop, async side by side with sync",
     "sim": "the simulator at scale, side by side with a bare event heap",

@@ -47,3 +47,33 @@ def test_bench_engine_measures_vllm_on_the_same_workload_when_it_is_installed():
     assert vllm["useful_tokens"] == result["workload"]["useful_tokens"] and vllm["tokens_per_s"] > 0
     assert (vllm["worker_threads"], vllm["reserved_cpus"]) == (result["versions"]["torch_threads"], 0)
     assert result["vllm_skipped"] is None and result["ratios"]["http_throughput_vs_vllm"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(vllm_available() is not None, reason=str(vllm_available()))
+def test_bench_engine_vs_vllm_per_model_and_thread_count_with_step_times_beside_the_limits():
+    pytest.importorskip("gguf", reason="SmolLM2's GGUF conversion needs gguf (the dev extra)")
+    done = subprocess.run(
+        [sys.executable, "-m", "miles_async.launch.cli", "bench", "engine", "--vs-vllm", "--json", "--models", "smollm2",
+         "--threads", "1", "--smollm2-requests", "4", "--max-output", "16", "--step-batches", "1,2"],
+        capture_output=True, text=True, timeout=580, check=False)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    run = result["workloads"]["smollm2"]["threads"]["1"]
+    assert run["embedded_engine"]["useful_tokens"] == run["vllm_server"]["useful_tokens"] == 64
+    assert run["vllm_server"]["worker_threads"] == 1
+    assert result["ratios"]["vs_vllm_cpu"] == {"smollm2": {"1": run["ratio"]}} and run["ratio"] > 0
+    steps = result["decode_steps"]["1"]
+    assert [row["batch"] for row in steps["steps"]] == [1, 2]
+    for row in steps["steps"]:
+        assert row["step_ms"] > 0 and row["weight_streaming_bound_ms"] > 0 and row["compute_bound_ms"] > 0
+        # a bound is a bound: no step beats the weight-streaming floor by more than timer noise
+        assert row["step_ms"] > 0.5 * row["weight_streaming_bound_ms"]
+    assert steps["weight_bytes"] > 500e6  # SmolLM2-135M in fp32, the tied vocabulary projection included
+
+
+def test_bench_engine_vs_vllm_refuses_an_unknown_model():
+    done = subprocess.run([sys.executable, "-m", "miles_async.launch.cli", "bench", "engine", "--vs-vllm",
+                           "--models", "gpt2"], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "--models takes bench and/or smollm2" in done.stderr

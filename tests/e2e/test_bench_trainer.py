@@ -1,0 +1,44 @@
+"""`miles-async bench trainer` runs end to end on SmolLM2-135M at a tiny size and prints one JSON
+object: ours and transformers' step in both precisions, each with its fraction of the measured
+matmul peak (no speed asserted). Slow: it loads the real model four times (~1 min on 2 cores)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from miles_async.models import SmolLM2Unavailable
+from miles_async.models.smollm2 import find_gguf
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(400)
+def test_bench_trainer_prints_both_sides_in_both_precisions():
+    for module in ("transformers", "gguf", "accelerate"):
+        pytest.importorskip(module, reason=f"the peer and the GGUF conversion need {module} (the dev extra)")
+    try:
+        find_gguf()
+    except SmolLM2Unavailable as e:
+        pytest.skip(str(e))
+    done = subprocess.run([sys.executable, "-m", "miles_async.launch.cli", "bench", "trainer", "--json", "--batch", "2",
+                           "--seq-len", "16", "--steps", "1", "--threads", "1"],
+                          capture_output=True, text=True, timeout=380, check=False)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["workload"]["tokens_per_step"] == 32 and result["model"]["matmul_params"] > 130e6
+    assert set(result["precisions"]) == {"float32", "bf16_autocast"}
+    for row in result["precisions"].values():
+        for side in ("ours", "transformers"):
+            assert row[side]["tokens_per_s"] > 0 and 0 < row[side]["fraction_of_matmul_peak"] < 1.5
+        assert row["ratio_ours_over_transformers"] > 0
+    assert result["matmul_flops_per_s"]["float32"] > 0
+
+
+def test_bench_trainer_refuses_an_unknown_precision():
+    done = subprocess.run([sys.executable, "-m", "miles_async.launch.cli", "bench", "trainer", "--precisions", "fp8"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "--precisions takes float32, bf16_autocast" in done.stderr
