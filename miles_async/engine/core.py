@@ -102,8 +102,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_prefill_tokens: int = 1024  # prompt tokens computed per step; longer prompts are chunked
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # of the generator shared by requests without a sampling_seed
-    # The weights' and activations' dtype in an `EngineActor` (a run's engines); `Engine` itself
-    # serves the model it is given.
+    # The weights' and activations' dtype: of an `EngineActor`'s model (a run's engines) and of
+    # `Engine.from_pretrained`'s; `Engine(model)` serves the model it is given as it is.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # True on-policy mode: the paged attention and the model (the engine switches the model it is
     # given) run batch-invariant kernels, so a token's log-prob equals the trainer's, in the same
@@ -283,13 +283,15 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str, *, config: EngineConfig | None = None,
-                        dtype: torch.dtype = torch.float32) -> Engine:
-        """Load a Hugging Face checkpoint folder (and its tokenizer, if it has one) onto `config.device`."""
+                        dtype: torch.dtype | None = None) -> Engine:
+        """Load a Hugging Face checkpoint folder (and its tokenizer, if it has one) onto `config.device`,
+        in `dtype` (default: `config.dtype`)."""
         from miles_async.models import load_pretrained
         from miles_async.models.tokenizer import load_tokenizer
 
-        device = resolve_device((config or EngineConfig()).device)  # before loading: a clear error for CUDA
-        model = compute.run_sync(load_pretrained, path, dtype=dtype, device=device)
+        config = config or EngineConfig()
+        device = resolve_device(config.device)  # before loading: a clear error for CUDA
+        model = compute.run_sync(load_pretrained, path, dtype=dtype or getattr(torch, config.dtype), device=device)
         # Without tokenizer.json the engine takes token ids only; text requests get a 400.
         tokenizer = load_tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
         return cls(model, tokenizer=tokenizer, config=config, model_path=str(path))
