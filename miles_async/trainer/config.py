@@ -37,7 +37,11 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     micro_batch_tokens: int = 4096
-    dtype: str = "float32"
+    dtype: str = "float32"  # of the weights and the optimizer state (the master copy)
+    # The matmuls' dtype: "bfloat16" runs the model's forward and backward under torch.autocast
+    # (mixed precision: fp32 master weights, AdamW state and gradients; bf16 matmuls, 4x the fp32
+    # rate on a CPU with AVX512-BF16), while the log-probs over the vocabulary stay in fp32.
+    compute_dtype: str = "float32"
     backend: str = "auto"
     num_threads: int = 0  # torch intra-op threads per rank; 0 leaves torch's default
     seed: int = 0
@@ -72,6 +76,11 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
+        if self.compute_dtype == "bfloat16" and (self.dtype != "float32" or self.batch_invariant):
+            raise ValueError("compute_dtype = 'bfloat16' is mixed precision over float32 weights: it needs "
+                             f"dtype = 'float32' (got {self.dtype!r}) and batch_invariant = false")
         if self.lr <= 0 or self.grad_clip <= 0:
             raise ValueError(f"lr and grad_clip must be positive, got lr={self.lr}, grad_clip={self.grad_clip}")
         if self.objective not in OBJECTIVES:

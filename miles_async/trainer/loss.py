@@ -6,7 +6,8 @@
   holds a full float32 [tokens, vocab] logits tensor. It is registered with FSDP2
   (`register_fsdp_forward_method`): the root's parameters (embedding, final norm, lm_head) are
   all-gathered around it and their gradients reduce-scattered after the backward, exactly as for
-  `forward`.
+  `forward`. With `TrainerConfig.compute_dtype = "bfloat16"` the backbone runs under
+  torch.autocast (bf16 matmuls over the fp32 weights) and the log-probs are taken in fp32.
 - `micro_batch_loss` is the loss of one packed micro-batch (`TrainerConfig.objective`): the RL
   policy loss (PPO clip + dual clip, TIS against the rollout log-probs, KL to the reference
   log-probs when the batch carries them, entropy bonus) or SFT cross-entropy, divided by the
@@ -20,8 +21,10 @@ Try it: see tests/unit/test_trainer_step.py.
 
 from __future__ import annotations
 
+import contextlib
 import types
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,17 +42,27 @@ from miles_async.trainer.packing import PackedBatch
 LOSS_SUM_NAMES: tuple[str, ...] = (*METRIC_SUM_NAMES, "loss", "pg_loss", "kl")
 
 
+def mixed_precision(device: torch.device, compute_dtype: str) -> contextlib.AbstractContextManager[Any]:
+    """torch.autocast to bf16 on `device` for compute_dtype "bfloat16"; nothing for "float32"."""
+    if compute_dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
 def attach_logprobs(model: CausalLM, config: TrainerConfig) -> None:
     """Give `model` (a CausalLM, sharded or not) the `token_logprobs` forward method (module docstring)."""
     temperature, chunk_tokens = config.temperature, config.logprob_chunk_tokens
 
     exact = config.batch_invariant
+    compute_dtype = config.compute_dtype
 
     def token_logprobs(self: CausalLM, input_ids_1T: torch.Tensor, positions_1T: torch.Tensor,
                        targets_T: torch.Tensor,
                        routed_experts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         attn = DenseCausalAttention(batch_invariant=exact)
-        h_1TD, _ = self.model(input_ids_1T, positions_1T, attn, routed_experts)
+        with mixed_precision(input_ids_1T.device, compute_dtype):
+            h_1TD, _ = self.model(input_ids_1T, positions_1T, attn, routed_experts)
+        h_1TD = h_1TD.float()  # the vocabulary projection and its log-softmax in fp32 (a no-op in fp32)
         if exact:  # the engine's own arithmetic: full logits, log_softmax, gather
             logp_TV = batch_invariant.log_softmax(self.lm_head(h_1TD[0]), temperature)
             logp_T = logp_TV.gather(-1, targets_T[:, None]).squeeze(-1)
