@@ -57,6 +57,7 @@ from typing import Any, TypeVar
 import msgspec
 import torch
 
+from miles_async.actors.distributed import DistributedPush
 from miles_async.actors.engine import (
     DTYPES,
     AbortUpdate,
@@ -72,7 +73,6 @@ from miles_async.actors.engine import (
     ReceiveBroadcast,
     ResumeEngine,
 )
-from miles_async.actors.distributed import DistributedPush
 from miles_async.actors.external import ProbeReference
 from miles_async.actors.trainer import WeightManifest
 from miles_async.engine.core import PAUSE_MODES

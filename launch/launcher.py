@@ -191,8 +191,8 @@ async def stop_run(system: Any, agents: dict[int, Any]) -> None:
 async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str, out: Path, secret: bytes) -> int:
     from miles_async.actors.controller import Controller, RunLostError, run_restarting
     from miles_async.actors.fleet import LocalSpawner, Node
-    from miles_async.launch.cli import restart_line
     from miles_async.launch.agent import RemoteSpawner, ShutdownNode
+    from miles_async.launch.cli import restart_line
     from miles_async.runtime import ActorSystem
 
     runtime = runtime_config(host, args)
