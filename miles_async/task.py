@@ -18,7 +18,8 @@ refused naming the valid ones) built as `Task(config, tokenizer)`. It gives the 
 
 No role (`miles_async.actors`) imports a task module: the controller and the rollout workers load
 the plug-in by its path (`load_task`). The shipped tasks are `miles_async.tasks.reverse:ReverseTask`
-(the main job) and `miles_async.tasks.calculator:CalculatorTask` (multi-turn, with a tool).
+(the main job), `miles_async.tasks.calculator:CalculatorTask` (multi-turn, with a tool) and
+`miles_async.tasks.arithmetic:ArithmeticTask` (addition for a pretrained chat model).
 """
 
 from __future__ import annotations

@@ -55,11 +55,12 @@ def run_with_fault(controller: Controller, run_dir: Path, fault):
 @pytest.mark.timeout(240)
 def test_the_recipe_runs_and_writes_metrics_trace_checkpoint_and_plots(tmp_path):
     out = tmp_path / "run"
-    proc = run_cli(["run", str(RECIPE), "--out", str(out), "--quiet", *SHORT, "loop.num_steps=4", "eval.every=2"])
+    proc = run_cli(["run", str(RECIPE), "--out", str(out), "--quiet", *SHORT, "loop.num_steps=4", "eval.every=2",
+                    "eval.at_start=true"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["num_steps"] == 4 and not summary["interrupted"] and summary["sft_steps"] == 10
-    assert [s for s, _ in summary["eval_scores"]] == [2, 4]
+    assert [s for s, _ in summary["eval_scores"]] == [0, 2, 4]  # at_start: the warm-started weights too
     metrics = rows(out)
     assert [r["step"] for r in metrics] == [1, 2, 3, 4]
     assert all(r["num_samples"] == 8 and 0 <= r["reward_mean"] <= 1 and r["step_s"] > 0 for r in metrics)
@@ -70,8 +71,11 @@ def test_the_recipe_runs_and_writes_metrics_trace_checkpoint_and_plots(tmp_path)
     assert type(records[0]).__name__ == "RunTrace" and records[0].batch_groups == 2  # the header, first
     trace = load_trace(out / "trace.jsonl")  # what the simulator reads: checked, the warm start left out
     assert len(trace.steps) == 4 and all(0 < s.train_end_s <= s.end_s for s in trace.steps)
+    # (the eval of the starting weights belongs to the warm-up, as the simulator reads it)
     assert [e.step for e in trace.evals] == [2, 4] and all(e.end_s > e.start_s > 0 for e in trace.evals)
     assert any((out / "checkpoints").iterdir()) and (out / "sft_model" / "model.safetensors").is_file()
+    assert (out / "final_model" / "model.safetensors").is_file() and (out / "final_model" / "tokenizer.json").is_file()
+    assert not (out / "final_model" / "buckets").exists()
     plots = run_cli(["plot", str(out)])
     assert plots.returncode == 0, plots.stderr
     assert sorted(p.name for p in (out / "plots").iterdir()) == ["mismatch.png", "reward.png", "staleness.png",

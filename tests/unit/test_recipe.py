@@ -30,6 +30,9 @@ def test_the_shipped_recipe_loads_and_overrides_apply():
     (['loop.num_steps="many"'], r"Expected `int`, got `str` - at `\$.loop.num_steps`"),
     (["loop.mode=turbo"], "loop.mode"),
     (["scheduler.refill=batch"], "scheduler.refill"),
+    (["model.pretrained=gpt2"], r"model.pretrained"),
+    (["model.pretrained=smollm2", "model.path=/tmp/m"], "both name the model: keep one"),
+    (["trainer.compute_dtype=float16"], "compute_dtype must be"),
     (["task.config.alphabet=3"], r"task.config \(miles_async.tasks.reverse:ReverseTask\): Expected `str`"),
     (["task.config.min_length=3"], ("unknown key\\(s\\) task.config.min_length for miles_async.tasks.reverse:ReverseTask; "
                                     "its Config has: alphabet, min_len")),
