@@ -35,10 +35,19 @@ whose gain is running the engine and the trainer at once, has that much less to 
 `cores_used` per run says how many cores our processes got over the window.
 
 Targets (the issue's), in `meets_targets`: async >= 1.5x sync, async >= 2x TRL's better figure.
+
+`--model smollm2` measures the same on the real model instead: SmolLM2-135M-Instruct on
+recipes/smollm2-math.toml (two-digit addition in the chat template), with no warm start (both
+sides train the pretrained model as it is), the recipe's sizes (4 prompts x 8 samples, outputs up
+to 32 tokens) over 12 steps, the recipe's precision on both sides (our bf16 engine and bf16-autocast
+trainer; TRL with bf16=True) and the task's own reward in TRL; the prompts reach TRL as text
+rendered with the chat template, which it tokenizes back into our prompt ids
+(`prompt_ids_match_ours`).
 Prints one JSON object on stdout; progress goes to stderr.
 
     miles-async bench loop --json
     miles-async bench loop --json --quick          # tiny settings (the e2e test)
+    miles-async bench loop --json --model smollm2  # the real model: ours vs TRL (~20 min)
     miles-async bench loop --steps 60 --max-new-tokens 32 --keep runs/bench-loop
 """
 
@@ -66,6 +75,7 @@ from miles_async.bench._stats import percentile
 from miles_async.bench.loop_peers import trl_grpo
 
 DEFAULT_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "reverse.toml"
+SMOLLM2_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-math.toml"
 TARGETS = {"async_over_sync_min": 1.5, "async_over_trl_min": 2.0}
 TRL_THREADS = (1, 2)
 # Long-tailed word lengths (mostly 4-6 letters, a tail to 32: task.config.lengths = "zipf"), so
@@ -73,6 +83,8 @@ TRL_THREADS = (1, 2)
 # are (measured: output p50 6 tokens, p99 29-36, max 48); `--set` entries come after these and win.
 LONG_TAIL = ['task.config.lengths="zipf"', "task.config.max_len=32", "rollout.engine.max_seq_len=128"]
 QUICK = {"steps": 4, "batch_groups": 2, "group_size": 4, "max_new_tokens": 16, "warmup_steps": 1, "sft_max_steps": 20}
+# --model smollm2: the recipe's own settings (4 prompts x 8 samples, 32 tokens), fewer steps, no warm start.
+SMOLLM2 = {"steps": 12, "batch_groups": 4, "group_size": 8, "max_new_tokens": 32, "warmup_steps": 2}
 
 
 def _progress(line: str) -> None:
@@ -183,19 +195,20 @@ def warm_start(recipe: Path, overrides: list[str], run_dir: Path) -> dict:
             "wall_s": round(time.perf_counter() - t0, 2)}
 
 
-def ours(recipe: Path, overrides: list[str], mode: str, warm_dir: Path, run_dir: Path, warmup_steps: int) -> dict:
-    """One RL run (`loop.mode=mode`) from the warm start; its figures over the measured window."""
+def ours(recipe: Path, overrides: list[str], mode: str, warm_dir: Path | None, run_dir: Path,
+         warmup_steps: int) -> dict:
+    """One RL run (`loop.mode=mode`) from the warm start (None: from the recipe's model as it is);
+    its figures over the measured window."""
     config = _load(recipe, [*overrides, f'loop.mode="{mode}"'])
-    # `model.path` + `sft.max_steps=0` alone fails today: the controller pushes weight version 0
-    # onto engines that already hold version 0 (StaleVersionError). Resuming from the warm
-    # start's checkpoint pushes its version (> 0) instead, and keeps the SFT optimizer state, as
-    # the recipe's own SFT-then-RL run does.
-    shutil.copytree(warm_dir / "checkpoints", run_dir / "checkpoints")
+    # From a warm start, the run resumes from its checkpoint: that keeps the SFT optimizer state, as
+    # the recipe's own SFT-then-RL run does, and the engines get the warm start's version.
+    if warm_dir is not None:
+        shutil.copytree(warm_dir / "checkpoints", run_dir / "checkpoints")
     load_before = _load_avg()
     cpu = CpuSampler()
     cpu.start()
     try:
-        result, start_time = _run_controller(config, run_dir, resume=True)
+        result, start_time = _run_controller(config, run_dir, resume=warm_dir is not None)
     finally:
         cpu.stop()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -275,14 +288,26 @@ def train_prompts(model_dir: Path, config: Any, settings: dict) -> list:
     return task
 
 
+def peer_prompts(model_dir: Path, items: list) -> tuple[list[str], list[str]]:
+    """The prompts as text TRL tokenizes back into our prompt ids (a chat model's are rendered with
+    its template: our ids decoded), and the answers as text."""
+    from miles_async.models import load_tokenizer
+
+    if all(hasattr(p, "text") for p in items):
+        return [p.text for p in items], [str(p.answer) for p in items]
+    tokenizer = load_tokenizer(model_dir)
+    return [tokenizer.decode(p.input_ids) for p in items], [str(p.answer) for p in items]
+
+
 def trl(model_dir: Path, task: list, settings: dict, num_threads: int) -> dict:
     """TRL's GRPOTrainer on the same model, prompts and settings; its figures over the same window."""
     load_before = _load_avg()
-    out = trl_grpo(str(model_dir), [p.text for p in task], [p.answer for p in task],
+    texts, answers = peer_prompts(model_dir, task)
+    out = trl_grpo(str(model_dir), texts, answers,
                    group_size=settings["group_size"], prompts_per_step=settings["batch_groups"],
                    num_steps=settings["steps"], max_new_tokens=settings["max_new_tokens"],
                    temperature=settings["temperature"], lr=settings["lr"], seed=settings["seed"],
-                   num_threads=num_threads)
+                   num_threads=num_threads, reward=settings["reward"], bf16=settings["bf16"])
     warmup = settings["warmup_steps"]
     window = out["step_s"][warmup:]
     samples = out["samples_per_step"] * len(window)
@@ -320,7 +345,10 @@ def measure(settings: dict, *, recipe: Path, keep: str = "", skip_trl: bool = Fa
     if settings["sft_max_steps"] is not None:
         overrides.append(f"sft.max_steps={settings['sft_max_steps']}")
     base = _load(recipe, overrides)
+    pretrained = settings["model"] == "smollm2"
     settings = {**settings, "temperature": base.rollout.sampling.temperature, "lr": base.trainer.lr,
+                "reward": "arithmetic" if pretrained else "reverse",
+                "bf16": base.trainer.compute_dtype == "bfloat16", "engine_dtype": base.rollout.engine.dtype,
                 "seed": base.loop.seed, "max_staleness_async": base.loop.max_staleness,
                 "engine_threads": base.rollout.engine_threads, "trainer_threads": base.trainer.num_threads,
                 "num_engines": base.rollout.num_engines, "trainer_world_size": base.trainer.world_size,
@@ -331,14 +359,23 @@ def measure(settings: dict, *, recipe: Path, keep: str = "", skip_trl: bool = Fa
     _progress(f"machine: {result['machine']}")
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmp:
         root = Path(keep) if keep else Path(tmp)
-        warm_dir = root / "warm_start"
-        _progress(f"warm start: the recipe's SFT into {warm_dir} ...")
-        result["warm_start"] = warm_start(recipe, overrides, warm_dir)
-        _progress(f"warm start: {result['warm_start']}")
-        model_dir = warm_dir / "sft_model"
+        warm_dir: Path | None = None
+        if pretrained:  # the real model as it is: no warm start
+            from miles_async.models.smollm2 import smollm2_checkpoint
+
+            model_dir = smollm2_checkpoint()
+            result["warm_start"] = None
+            rl_overrides = list(overrides)
+        else:
+            warm_dir = root / "warm_start"
+            _progress(f"warm start: the recipe's SFT into {warm_dir} ...")
+            result["warm_start"] = warm_start(recipe, overrides, warm_dir)
+            _progress(f"warm start: {result['warm_start']}")
+            model_dir = warm_dir / "sft_model"
+            rl_overrides = [*overrides, f'model.path="{model_dir}"']
         task = train_prompts(model_dir, base, settings)
-        rl_overrides = [*overrides, f'model.path="{model_dir}"', "sft.max_steps=0", 'eval.mode="none"',
-                        'buffer.filter="none"', f"loop.num_steps={settings['steps']}"]
+        rl_overrides += ["sft.max_steps=0", 'eval.mode="none"', 'buffer.filter="none"',
+                         f"loop.num_steps={settings['steps']}"]
         for mode in ("sync", "async"):
             _progress(f"ours, {mode}: {settings['steps']} steps of {settings['samples_per_step']} samples ...")
             result[mode] = ours(recipe, rl_overrides, mode, warm_dir, root / mode, settings["warmup_steps"])
@@ -359,15 +396,20 @@ _MEASURED = ("samples_per_s: trained samples / wall time over the steps after th
 
 def _settings(args: argparse.Namespace) -> dict:
     """The run's sizes from the command line (`--quick` fills what was not given); ValueError if unusable."""
-    quick = QUICK if args.quick else {}
+    pretrained = args.model == "smollm2"
+    quick = {**(SMOLLM2 if pretrained else {}), **(QUICK if args.quick else {})}
+    if pretrained and args.quick:
+        quick.update(sft_max_steps=None, max_new_tokens=SMOLLM2["max_new_tokens"])
     steps = args.steps or quick.get("steps", 30)
     settings = {
-        "recipe": str(args.recipe), "quick": args.quick, "steps": steps,
+        "model": args.model, "recipe": str(args.recipe), "quick": args.quick, "steps": steps,
         "batch_groups": args.batch_groups or quick.get("batch_groups", 8),
         "group_size": args.group_size or quick.get("group_size", 8),
         "max_new_tokens": args.max_new_tokens or quick.get("max_new_tokens", 48),
         "warmup_steps": quick.get("warmup_steps", 2) if args.warmup_steps is None else args.warmup_steps,
-        "sft_max_steps": quick.get("sft_max_steps"), "overrides": [*LONG_TAIL, *args.set],
+        "sft_max_steps": quick.get("sft_max_steps"),
+        # the long tail is the main job's workload; the real model's is the recipe's own
+        "overrides": [*([] if pretrained else LONG_TAIL), *args.set],
     }
     if settings["warmup_steps"] < 0 or steps <= max(settings["warmup_steps"], 1):
         raise ValueError(f"--steps ({steps}) must exceed --warmup-steps ({settings['warmup_steps']}) and 1, and "
@@ -428,7 +470,11 @@ def _versions() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="miles-async bench loop", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the JSON object on one line")
-    parser.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE, help="the recipe (default: %(default)s)")
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
+                        help="tiny: the main job's random-init model after an SFT warm start, on long-tailed "
+                             "reversal; smollm2: SmolLM2-135M-Instruct on recipes/smollm2-math.toml, no warm start")
+    parser.add_argument("--recipe", type=Path, default=None,
+                        help=f"the recipe (default: {DEFAULT_RECIPE.name}, or {SMOLLM2_RECIPE.name} with --model smollm2)")
     parser.add_argument("--steps", type=int, default=0, help="RL steps per run (default 30; --quick 4)")
     parser.add_argument("--batch-groups", type=int, default=0, help="groups (prompts) per step (default 8)")
     parser.add_argument("--group-size", type=int, default=0, help="samples per prompt (default 8)")
@@ -441,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a recipe override for every run, e.g. --set trainer.lr=1e-5 (repeatable)")
     args = parser.parse_args(argv)
+    if args.recipe is None:
+        args.recipe = SMOLLM2_RECIPE if args.model == "smollm2" else DEFAULT_RECIPE
     if min(args.steps, args.batch_groups, args.group_size, args.max_new_tokens) < 0:
         parser.error("--steps, --batch-groups, --group-size and --max-new-tokens must be > 0")
     if not args.recipe.is_file():

@@ -14,15 +14,18 @@ the result's `config`):
   step (per_device_train_batch_size = prompts_per_step * group_size, gradient_accumulation_steps
   = 1, num_iterations = 1, so the PPO ratio is 1 and the step is on-policy, as ours);
 - prompts are plain text (a "standard", not conversational, dataset): TRL tokenizes them with the
-  tokenizer as they are, with no chat template, and decodes completions with
+  tokenizer as they are, adding no chat template (for a chat model the caller passes the prompts
+  already rendered with its template: our prompt ids decoded), and decodes completions with
   skip_special_tokens=True; the dataset is read in order (shuffle_dataset=False);
 - sampling: temperature, top_p 1, top_k 0 (whole vocabulary), max_completion_length =
   max_new_tokens; generation stops at the tokenizer's EOS and the generation_config's eos ids;
-- the reward is `miles_async.tasks.reverse.is_correct` of the decoded completion against the
-  answer: 1.0 or 0.0, exactly our task's reward;
+- the reward is our task's checker on the decoded completion against the answer (`reward`:
+  "reverse", `miles_async.tasks.reverse.is_correct`; "arithmetic", the number after the first `=`
+  of `miles_async.tasks.arithmetic`): 1.0 or 0.0, exactly our task's reward;
 - AdamW (betas 0.9/0.999, no weight decay), constant learning rate, no warm-up, grad-norm clip 1.0
   (our trainer's defaults); loss_type "dapo" (token-level mean, TRL's default), beta 0 (no
-  reference model), epsilon 0.2; fp32, gradient checkpointing off, use_cpu=True.
+  reference model), epsilon 0.2; fp32 (or, with `bf16`, TRL's bf16 mixed precision over fp32
+  weights, as our trainer's compute_dtype = "bfloat16"), gradient checkpointing off, use_cpu=True.
 
 Timing (time.perf_counter in the child): `step_s[i]` runs from the end of step i-1 to the end of
 step i (step 0 from its start), so it holds generation, reward, loss, backward, the optimizer and
@@ -41,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 CHILD_TIMEOUT_S = 600.0
@@ -61,20 +65,24 @@ _CHILD_ENV = {
 
 def trl_grpo(model_dir: str, prompt_texts: list[str], answers: list[str], *, group_size: int,
              prompts_per_step: int, num_steps: int, max_new_tokens: int, temperature: float, lr: float,
-             seed: int, num_threads: int = 1, timeout_s: float = CHILD_TIMEOUT_S) -> dict:
+             seed: int, num_threads: int = 1, timeout_s: float = CHILD_TIMEOUT_S, reward: str = "reverse",
+             bf16: bool = False) -> dict:
     """Run TRL's GRPOTrainer for `num_steps` steps in a child process and return its measurements.
 
     Step i uses prompts [i * prompts_per_step, (i + 1) * prompts_per_step) of `prompt_texts`
     (wrapping around when there are fewer), each sampled `group_size` times. Step 0 is a warm-up,
-    left out of `samples_per_s`, so `num_steps` must be at least 2.
+    left out of `samples_per_s`, so `num_steps` must be at least 2. `reward` names our task whose
+    checker scores the completions (REWARDS); `bf16` is TRL's mixed precision (fp32 weights).
     """
+    if reward not in REWARDS:
+        raise ValueError(f"reward must be one of {sorted(REWARDS)}, got {reward!r}")
     _check_args(model_dir, prompt_texts, answers, group_size=group_size, prompts_per_step=prompts_per_step,
                 num_steps=num_steps, max_new_tokens=max_new_tokens, temperature=temperature, lr=lr,
                 num_threads=num_threads)
     spec = {"model_dir": str(model_dir), "prompt_texts": list(prompt_texts), "answers": list(answers),
             "group_size": group_size, "prompts_per_step": prompts_per_step, "num_steps": num_steps,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "lr": lr, "seed": seed,
-            "num_threads": num_threads}
+            "num_threads": num_threads, "reward": reward, "bf16": bf16}
     with tempfile.TemporaryDirectory(prefix="miles_trl_grpo_") as tmp:
         spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "result.json")
         spec_path.write_text(json.dumps({**spec, "out_path": str(out_path), "work_dir": tmp}))
@@ -120,11 +128,28 @@ def _tail(text: str | bytes | None) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
-def exact_match_rewards(completions: list[str], answers: list[str]) -> list[float]:
-    """Our task's reward for TRL's decoded completions: 1.0 where `is_correct(completion, answer)`."""
+def exact_match_rewards(completions: list[str], answers: list[str], reward: str = "reverse") -> list[float]:
+    """Our task's reward for TRL's decoded completions: 1.0 where the task's checker accepts the
+    completion ("reverse": `is_correct(completion, answer)`; "arithmetic": the number after the
+    first `=` is the answer), else 0.0."""
+    check = REWARDS[reward]()
+    return [1.0 if check(text, answer) else 0.0 for text, answer in zip(completions, answers, strict=True)]
+
+
+def _reverse_checker() -> Callable[[str, str], bool]:
     from miles_async.tasks.reverse import is_correct
 
-    return [1.0 if is_correct(text, answer) else 0.0 for text, answer in zip(completions, answers, strict=True)]
+    return is_correct
+
+
+def _arithmetic_checker() -> Callable[[str, str], bool]:
+    from miles_async.tasks.arithmetic import answer_of
+
+    return lambda text, answer: answer_of(text) == int(answer)
+
+
+REWARDS: dict[str, Callable[[], Callable[[str, str], bool]]] = {"reverse": _reverse_checker,
+                                                                 "arithmetic": _arithmetic_checker}
 
 
 def _run_child(spec: dict) -> dict:
@@ -152,7 +177,7 @@ def _run_child(spec: dict) -> dict:
     per_step = {"reward_mean": [], "completion_tokens": [], "num_scored": [], "prompts": []}
 
     def exact_match(prompts: list, completions: list, completion_ids: list, answer: list, **_: object) -> list:
-        rewards = exact_match_rewards(completions, answer)
+        rewards = exact_match_rewards(completions, answer, spec["reward"])
         per_step["reward_mean"].append(sum(rewards) / len(rewards))
         per_step["completion_tokens"].append(sum(len(ids) for ids in completion_ids))
         per_step["num_scored"].append(len(rewards))
@@ -220,7 +245,8 @@ def _run_child(spec: dict) -> dict:
             "lr_scheduler_type": _enum_value(config.lr_scheduler_type), "max_grad_norm": config.max_grad_norm,
             "weight_decay": config.weight_decay, "top_p": config.top_p, "top_k": config.top_k,
             "eos_token_ids": list(trainer.eos_token_ids), "generation": "transformers generate (no vLLM)",
-            "prompt_format": "plain text, no chat template",
+            "prompt_format": "plain text as given (a chat template only if the prompts were rendered with one)",
+            "bf16": config.bf16, "reward": spec["reward"],
         },
     }
 
@@ -237,7 +263,7 @@ def _grpo_config(config_cls: type, spec: dict, samples_per_step: int) -> object:
     return config_cls(
         output_dir=str(Path(spec["work_dir"], "trl_out")),
         use_cpu=True,
-        bf16=False,
+        bf16=spec.get("bf16", False),
         fp16=False,
         **{checkpointing: False},
         use_vllm=False,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import subprocess
@@ -60,3 +61,19 @@ def test_bench_loop_rejects_steps_not_past_the_warm_up():
                            "--warmup-steps", "2"], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and "must exceed --warmup-steps" in done.stderr
     assert done.stdout == ""
+
+
+def test_bench_loop_on_smollm2_takes_the_recipes_workload_without_the_long_tail():
+    from miles_async.bench.loop import LONG_TAIL, SMOLLM2_RECIPE, _settings, main
+
+    args = argparse.Namespace(model="smollm2", recipe=SMOLLM2_RECIPE, quick=False, steps=0, batch_groups=0,
+                              group_size=0, max_new_tokens=0, warmup_steps=None, set=["trainer.lr=1e-6"], keep="")
+    settings = _settings(args)
+    assert (settings["steps"], settings["batch_groups"], settings["group_size"], settings["max_new_tokens"]) == \
+        (12, 4, 8, 32)
+    assert settings["overrides"] == ["trainer.lr=1e-6"] and not set(LONG_TAIL) & set(settings["overrides"])
+    assert settings["sft_max_steps"] is None and settings["model"] == "smollm2"
+    tiny = _settings(argparse.Namespace(**{**vars(args), "model": "tiny"}))
+    assert tiny["overrides"][:len(LONG_TAIL)] == LONG_TAIL and tiny["steps"] == 30
+    with pytest.raises(SystemExit):
+        main(["--model", "gpt2"])
