@@ -36,7 +36,7 @@ import functools
 import gc
 import logging
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -45,7 +45,16 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from miles_async.runtime import Actor, ActorRef, ActorSystem, Failure, Message, RestartPolicy, handler
+from miles_async.runtime import (
+    Actor,
+    ActorDeadError,
+    ActorRef,
+    ActorSystem,
+    Failure,
+    Message,
+    RestartPolicy,
+    handler,
+)
 from miles_async.runtime.messages import BlobRef
 from miles_async.trainer import checkpoint
 from miles_async.trainer.config import TrainerConfig
@@ -292,6 +301,30 @@ class RankPlacement:
     host: str = ""
 
 
+DEATH_GRACE_S = 2.0  # how long a rank's failure waits for another rank's death to be known
+
+
+async def every_rank(asks: list[Awaitable[R]]) -> list[R]:
+    """Every rank's reply to one collective, in rank order. When a rank fails, the root cause is
+    raised: a rank whose process died (`ActorDeadError`), if one is known to within DEATH_GRACE_S,
+    rather than the error its death caused in a peer's collective first (gloo's "Connection reset
+    by peer"), which would name the wrong rank."""
+    tasks = [asyncio.ensure_future(ask) for ask in asks]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        if all(task.exception() is None for task in done) and not pending:
+            return [task.result() for task in tasks]
+        if pending:
+            await asyncio.wait(pending, timeout=DEATH_GRACE_S)
+        errors = [error for error in (task.exception() for task in tasks if task.done()) if error is not None]
+        dead = [error for error in errors if isinstance(error, ActorDeadError)]
+        raise (dead or errors)[0]
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+
+
 class TrainerGroup:
     """The ranks of one trainer, spawned together; `ask_all` sends a collective to every rank."""
 
@@ -351,12 +384,12 @@ class TrainerGroup:
         steps = [TrainStep(samples=[samples[i] for i in indices], advantages=[plan.advantages[i] for i in indices],
                            num_micro_batches=plan.num_micro_batches, denominator=plan.denominator,
                            data_cursor=data_cursor, objective=objective, lr=lr) for indices in plan.per_rank]
-        replies = await asyncio.gather(*(ref.ask(step, timeout_s=timeout_s) for ref, step in zip(self.refs, steps)))
+        replies = await every_rank([ref.ask(step, timeout_s=timeout_s) for ref, step in zip(self.refs, steps)])
         return replies[0]
 
     async def ask_all(self, msg: Message[R], timeout_s: float) -> list[R]:
-        """Send `msg` to every rank; the replies in rank order (a failure of any rank raises)."""
-        return list(await asyncio.gather(*(ref.ask(msg, timeout_s=timeout_s) for ref in self.refs)))
+        """Send `msg` to every rank; the replies in rank order (a failure of any rank raises, see `every_rank`)."""
+        return await every_rank([ref.ask(msg, timeout_s=timeout_s) for ref in self.refs])
 
     async def ask(self, msg: Message[R], timeout_s: float) -> R:
         """`ask_all`, returning rank 0's reply (every rank's is the same for these collectives)."""

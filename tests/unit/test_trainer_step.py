@@ -303,3 +303,29 @@ def test_group_relative_advantages_come_from_the_rewards(trainer: Trainer) -> No
     flat = step(Trainer(config, trainer.device), [samples[1], samples[3]], advantage=None)
     assert flat.pg_loss == 0.0 and flat.grad_norm == 0.0
     assert step(Trainer(config, trainer.device), samples, advantage=None).grad_norm > 0.0
+
+
+def test_a_collective_failure_names_the_rank_that_died_not_the_peer_it_broke() -> None:
+    """`every_rank`: a peer's error (gloo's connection reset) may arrive before the death that
+    caused it; the dead rank is what is raised. Without a death, the first error; without errors,
+    the replies in rank order."""
+    import asyncio
+
+    from miles_async.actors.trainer import every_rank
+    from miles_async.runtime import ActorDeadError, Failure
+
+    async def reply(value: int, delay_s: float) -> int:
+        await asyncio.sleep(delay_s)
+        return value
+
+    async def fail(error: BaseException, delay_s: float) -> int:
+        await asyncio.sleep(delay_s)
+        raise error
+
+    dead = ActorDeadError("trainer-0", Failure(type="ProcessExited", message="killed by signal SIGKILL"))
+    reset = RuntimeError("Read error: Connection reset by peer")
+    with pytest.raises(ActorDeadError, match="trainer-0"):
+        asyncio.run(every_rank([fail(dead, 0.2), fail(reset, 0.0)]))
+    with pytest.raises(RuntimeError, match="Connection reset"):
+        asyncio.run(every_rank([reply(0, 0.0), fail(reset, 0.0)]))
+    assert asyncio.run(every_rank([reply(0, 0.05), reply(1, 0.0)])) == [0, 1]
