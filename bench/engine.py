@@ -314,6 +314,11 @@ def measure_vs_vllm(models: list[str], threads: list[int], num_requests: dict[st
     missing = vllm_available()
     if missing is not None:
         raise SystemExit(f"bench engine --vs-vllm needs vLLM's CPU build: {missing}")
+    if "smollm2" in models:
+        from miles_async.models import smollm2
+
+        if (reason := smollm2.unavailable()) is not None:
+            raise SystemExit(f"bench engine --vs-vllm --models smollm2: the model is not available: {reason}")
     result: dict[str, Any] = {"bench": "engine-vs-vllm", "versions": {
         "python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability()}, "dtype": config.dtype, "workloads": {},

@@ -489,6 +489,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.recipe is None:
         args.recipe = SMOLLM2_RECIPE if args.model == "smollm2" else DEFAULT_RECIPE
+    if args.model == "smollm2":
+        from miles_async.models import smollm2
+
+        if (reason := smollm2.unavailable()) is not None:
+            parser.error(f"--model smollm2: the model is not available: {reason}")
     if min(args.steps, args.batch_groups, args.group_size, args.max_new_tokens) < 0:
         parser.error("--steps, --batch-groups, --group-size and --max-new-tokens must be > 0")
     if not args.recipe.is_file():

@@ -147,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--precisions takes {', '.join(PRECISIONS)}, got {args.precisions!r}")
     if min(args.batch, args.seq_len, args.steps, args.threads) < 1:
         parser.error("--batch, --seq-len, --steps and --threads must be >= 1")
+    from miles_async.models import smollm2
+
+    if (reason := smollm2.unavailable()) is not None:
+        raise SystemExit(f"bench trainer measures SmolLM2-135M-Instruct, which is not available: {reason}")
     result = measure(args.batch, args.seq_len, args.steps, args.threads, precisions)
     print(json.dumps(result, indent=None if args.json else 1))
     return 0

@@ -50,6 +50,21 @@ def find_gguf() -> Path:
     raise SmolLM2Unavailable(f"the installed {PACKAGE} has no .gguf file; reinstall it")
 
 
+def unavailable() -> str | None:
+    """Why `smollm2_checkpoint()` cannot convert the model here (the package or a library it needs
+    is not installed), or None when it can: for a test's skip or a command's refusal."""
+    import importlib.util
+
+    for module in ("transformers", "gguf", "accelerate"):
+        if importlib.util.find_spec(module) is None:
+            return f"converting SmolLM2's GGUF needs {module}: pip install 'miles-async[dev]'"
+    try:
+        find_gguf()
+    except SmolLM2Unavailable as e:
+        return str(e)
+    return None
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Convert a GGUF file into a Hugging Face folder at `out_dir` with transformers (dequantized, fp32)."""
     try:

@@ -10,20 +10,15 @@ import sys
 
 import pytest
 
-from miles_async.models import SmolLM2Unavailable
-from miles_async.models.smollm2 import find_gguf
+from miles_async.models import smollm2
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.timeout(400)
 def test_bench_trainer_prints_both_sides_in_both_precisions():
-    for module in ("transformers", "gguf", "accelerate"):
-        pytest.importorskip(module, reason=f"the peer and the GGUF conversion need {module} (the dev extra)")
-    try:
-        find_gguf()
-    except SmolLM2Unavailable as e:
-        pytest.skip(str(e))
+    if (reason := smollm2.unavailable()) is not None:
+        pytest.skip(reason)
     done = subprocess.run([sys.executable, "-m", "miles_async.launch.cli", "bench", "trainer", "--json", "--batch", "2",
                            "--seq-len", "16", "--steps", "1", "--threads", "1"],
                           capture_output=True, text=True, timeout=380, check=False)

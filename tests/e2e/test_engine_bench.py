@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from miles_async.bench.engine_peers import vllm_available
+from miles_async.models import smollm2
 
 
 def bench(*extra: str) -> subprocess.CompletedProcess:
@@ -53,7 +54,8 @@ def test_bench_engine_measures_vllm_on_the_same_workload_when_it_is_installed():
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(vllm_available() is not None, reason=str(vllm_available()))
 def test_bench_engine_vs_vllm_per_model_and_thread_count_with_step_times_beside_the_limits():
-    pytest.importorskip("gguf", reason="SmolLM2's GGUF conversion needs gguf (the dev extra)")
+    if (reason := smollm2.unavailable()) is not None:
+        pytest.skip(reason)
     done = subprocess.run(
         [sys.executable, "-m", "miles_async.launch.cli", "bench", "engine", "--vs-vllm", "--json", "--models", "smollm2",
          "--threads", "1", "--smollm2-requests", "4", "--max-output", "16", "--step-batches", "1,2"],

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from _support_run import run_cli
 
-from miles_async.models import SmolLM2Unavailable
-from miles_async.models.smollm2 import find_gguf
+from miles_async.models import smollm2
 from miles_async.observe import decode_trace
 
 pytestmark = pytest.mark.slow
@@ -24,12 +23,8 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-math.toml"
 
 @pytest.mark.timeout(420)
 def test_the_smollm2_recipe_trains_the_pretrained_model_and_scores_it_before_and_after(tmp_path):
-    for module in ("transformers", "gguf", "accelerate"):
-        pytest.importorskip(module, reason=f"converting GGUF needs {module} (the dev extra)")
-    try:
-        find_gguf()
-    except SmolLM2Unavailable as e:
-        pytest.skip(str(e))
+    if (reason := smollm2.unavailable()) is not None:
+        pytest.skip(reason)
     out = tmp_path / "run"
     proc = run_cli(["run", str(RECIPE), "--out", str(out), "--quiet", "loop.num_steps=2", "eval.every=2",
                     "eval.num_prompts=16", "scheduler.target_in_flight=32"], timeout_s=400)

@@ -12,8 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_async.models import SmolLM2Unavailable, load_pretrained, load_tokenizer, smollm2_checkpoint
-from miles_async.models.smollm2 import find_gguf
+from miles_async.models import (
+    load_pretrained,
+    load_tokenizer,
+    smollm2,
+    smollm2_checkpoint,
+)
 
 pytestmark = pytest.mark.slow
 NUM_NEW_TOKENS = 24
@@ -22,12 +26,8 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def folder():
-    for module in ("transformers", "gguf", "accelerate"):
-        pytest.importorskip(module, reason=f"converting GGUF needs {module} (the dev extra)")
-    try:
-        find_gguf()
-    except SmolLM2Unavailable as e:
-        pytest.skip(str(e))
+    if (reason := smollm2.unavailable()) is not None:
+        pytest.skip(reason)
     return smollm2_checkpoint()
 
 
