@@ -8,7 +8,8 @@ transformers' `AutoModelForCausalLM` on the same folder with `labels` and `torch
 Precisions, each on both sides:
 - "float32": weights, activations and optimizer state in fp32;
 - "bf16_autocast": fp32 master weights and optimizer state, matmuls under
-  `torch.autocast("cpu", torch.bfloat16)` (the usual mixed precision).
+  `torch.autocast("cpu", torch.bfloat16)` (the usual mixed precision): ours through the trainer's
+  `compute_dtype = "bfloat16"`, whose vocabulary log-probs stay fp32; the peer's whole forward.
 Each figure is tokens/s (median of `--steps` steps after one warm-up) and the fraction of the
 matmul peak it reaches: 6 x multiplied weights x tokens + 3 x attention FLOPs, over the step
 time and the `torch.mm` rate measured in the same run for that dtype (bench/limits.py). On a
@@ -21,7 +22,6 @@ CPU with no bf16 instructions (AVX2 only) bf16 is emulated: the matmul rates in 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from miles_async.bench import limits
+from miles_async.trainer.loss import mixed_precision
 
 PRECISIONS = ("float32", "bf16_autocast")
 
@@ -42,10 +43,9 @@ def _progress(line: str) -> None:
     print(f"[bench trainer] {line}", file=sys.stderr, flush=True)
 
 
-def _autocast(precision: str) -> contextlib.AbstractContextManager[Any]:
-    if precision == "bf16_autocast":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def _compute_dtype(precision: str) -> str:
+    """The trainer's `compute_dtype` for a precision of this bench."""
+    return "bfloat16" if precision == "bf16_autocast" else "float32"
 
 
 def _timed_steps(step: Callable[[], None], steps: int) -> float:
@@ -64,7 +64,9 @@ def ours_step(model_dir: str, ids_BT: torch.Tensor, precision: str) -> Callable[
     from miles_async.trainer.loss import attach_logprobs
 
     model = load_pretrained(model_dir).train()
-    attach_logprobs(model, TrainerConfig())
+    # the trainer's own mixed precision (TrainerConfig.compute_dtype): the backbone under autocast,
+    # the vocabulary log-probs in fp32
+    attach_logprobs(model, TrainerConfig(compute_dtype=_compute_dtype(precision)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     batch, seq = ids_BT.shape
     input_1T = ids_BT.reshape(1, -1)
@@ -73,8 +75,7 @@ def ours_step(model_dir: str, ids_BT: torch.Tensor, precision: str) -> Callable[
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        with _autocast(precision):
-            logp_T, _ = model.token_logprobs(input_1T, positions_1T, targets_T, None)  # type: ignore[operator]
+        logp_T, _ = model.token_logprobs(input_1T, positions_1T, targets_T, None)  # type: ignore[operator]
         (-logp_T.float().mean()).backward()
         optimizer.step()
 
@@ -89,7 +90,7 @@ def transformers_step(model_dir: str, ids_BT: torch.Tensor, precision: str) -> C
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        with _autocast(precision):
+        with mixed_precision(torch.device("cpu"), _compute_dtype(precision)):
             loss = model(input_ids=ids_BT, labels=ids_BT).loss
         loss.float().backward()
         optimizer.step()

@@ -34,13 +34,12 @@ import random
 import re
 import zlib
 from collections.abc import Sequence
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Protocol
 
 import msgspec
 
-from miles_async.task import Completion
+from miles_async.task import Completion, Split
 
-Split = Literal["train", "probe"]
 _RESULT = re.compile(r"=\s*(-?\d[\d,]*)")
 
 
