@@ -8,9 +8,9 @@ measured step times beside these two figures, both measured here and now on the 
   It reports the bytes copied per second and the memory traffic (each byte is read and written:
   twice that). The weight-streaming bound divides the bytes a step reads by the traffic rate, the
   faster of the two readings, so that it stays a bound.
-- `matmul_rate`: a square `torch.mm` in the dtype asked for (2 n^3 FLOPs), best of several. On a
-  CPU without bf16 instructions (AVX2 only) bf16 is emulated and slower than fp32; the figure
-  shows it.
+- `matmul_rate`: a square matmul in the dtype asked for (2 n^3 FLOPs), best of several, by
+  `torch.mm` or by oneDNN on a prepacked weight, whichever is faster. On a CPU without bf16
+  instructions (AVX2 only) bf16 is emulated and slower than fp32; the figure shows it.
 
 `decode_step_bounds` combines them for a model config: bytes read per decode step (every weight
 but the embedding rows not looked up) and FLOPs at a batch size and a context length, both counted
@@ -48,10 +48,17 @@ def copy_bandwidth(mib: int = 512, repeats: int = 5) -> dict[str, float]:
 
 
 def matmul_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of an n x n x n `torch.mm` in `dtype`."""
+    """FLOP/s of an n x n x n matmul in `dtype`: the faster of `torch.mm` and a oneDNN linear on a
+    prepacked weight (kernels/onednn.py, what the engine runs; on AMD CPUs torch's fp32 `mm` goes
+    to MKL's slower generic path, and the bound must stay a bound)."""
+    from miles_async.kernels import onednn
+
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     out = torch.empty(n, n, dtype=dtype)
     seconds = _best_s(lambda: torch.mm(a, b, out=out), repeats)
+    if onednn.supported(dtype, a.device):
+        packed = onednn.prepack(b.t().contiguous())
+        seconds = min(seconds, _best_s(lambda: onednn.linear(a, packed, None), repeats))
     return 2 * n**3 / seconds
 
 

@@ -5,10 +5,20 @@ new tokens (a decoding request's one token, a prefilling request's prompt chunk)
 absolute position. `build_plan` turns the step's schedule into index tensors once; then, in
 every layer, `PagedAttention`
   1. writes the new k/v into their slots (one `index_copy_` each),
-  2. for each group of requests, gathers their blocks into a padded [G, S] layout with one
-     `index_select` into a reused buffer, and runs one `scaled_dot_product_attention` over it
-     with a causal mask built from positions (query at position p sees keys 0..p),
+  2. for each group of requests, gathers their blocks into a padded [K, G, S] layout with one
+     `index_select` into a reused buffer (the blocks are kv-head major, kv_cache.py, so each kv
+     head's keys come out contiguous), and attends over it with a causal mask built from
+     positions (query at position p sees keys 0..p): on a CPU, decoding groups (and bf16 chunks
+     of up to `MATMUL_MAX_QUERIES` queries) by two batched matmuls per group (`matmul_attention`),
+     the rest by one `scaled_dot_product_attention` call,
   3. writes the group's outputs back to their packed rows.
+
+Why matmuls for decoding on a CPU: torch 2.13's SDPA CPU kernel is slow for one query per row,
+in bf16 most of all. Measured here (one core, SmolLM2's 9 query and 3 kv heads, 64 requests x 80
+positions, per layer): SDPA 3.7 ms in bf16 and 0.58 ms in fp32, the two matmuls 0.29 ms in bf16;
+SmolLM2's whole decode step at batch 64 in bf16 went from 215 ms to 82 ms with the head-major
+blocks and bf16 KV. Tried and dropped: inductor (`torch.compile`) of gather + attention in one
+function, 18 ms against 12 ms eager for 256 requests x 320 positions of the bench model.
 
 Why groups, not one call: the padded layout costs memory traffic in proportion to G x S_max, and
 on CPU that traffic is the step's main cost (measured here: gathering 128 requests x 256
@@ -40,6 +50,10 @@ from miles_async.kernels import batch_invariant
 # the bucket's padded positions, unless the bucket is still small (a call costs ~50 us itself).
 MAX_PADDING_FRACTION = 0.35
 MIN_BUCKET_POSITIONS = 2048
+# bf16 on a CPU: groups with up to this many queries per request attend with `matmul_attention`
+# (torch 2.13's SDPA CPU kernel in bf16 took 3.7 ms where two bmm per kv head took 0.7, for 64
+# decoding requests x 80 positions of SmolLM2's 9 heads; at one 1024-token chunk SDPA was faster).
+MATMUL_MAX_QUERIES = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,30 +188,64 @@ class PagedAttention:
         assert q_BTNH.shape[0] == 1, "the engine packs each step into one row"
         q_TNH, k_TKH, v_TKH = q_BTNH[0], k_BTKH[0], v_BTKH[0]
         k_blocks, v_blocks = self._cache.k_blocks[layer_idx], self._cache.v_blocks[layer_idx]
-        num_kv_heads, head_dim = k_blocks.shape[2], k_blocks.shape[3]
+        num_kv_heads, head_dim = k_blocks.shape[0], k_blocks.shape[3]
         slots = self._plan.write_slots_T
-        k_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k_TKH.to(k_blocks.dtype))
-        v_blocks.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v_TKH.to(v_blocks.dtype))
+        k_blocks.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, k_TKH.transpose(0, 1).to(k_blocks.dtype))
+        v_blocks.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, v_TKH.transpose(0, 1).to(v_blocks.dtype))
         out_TNH = torch.empty_like(q_TNH)
         gqa = q_TNH.shape[1] != num_kv_heads
         for group in self._plan.groups:
             num_rows, num_positions = group.q_index_GQ.shape[0], group.num_positions
-            q_GNQH = q_TNH[group.q_index_GQ].transpose(1, 2)
-            k_F = self._workspace.gather(0, k_blocks, group.blocks_F)
-            v_F = self._workspace.gather(1, v_blocks, group.blocks_F)
-            k_GKSH = k_F.view(num_rows, num_positions, num_kv_heads, head_dim).transpose(1, 2)
-            v_GKSH = v_F.view(num_rows, num_positions, num_kv_heads, head_dim).transpose(1, 2)
+            k_KGSH = self._workspace.gather(0, k_blocks, group.blocks_F).view(
+                num_kv_heads, num_rows, num_positions, head_dim).to(q_TNH.dtype)
+            v_KGSH = self._workspace.gather(1, v_blocks, group.blocks_F).view(
+                num_kv_heads, num_rows, num_positions, head_dim).to(q_TNH.dtype)
+            q_GQNH = q_TNH[group.q_index_GQ]
             if self._batch_invariant:
-                o_GNQH = batch_invariant.attention(q_GNQH, k_GKSH.to(q_GNQH.dtype), v_GKSH.to(q_GNQH.dtype),
-                                                   group.q_pos_GQ)
+                o_GQNH = batch_invariant.attention(q_GQNH.transpose(1, 2), k_KGSH.transpose(0, 1),
+                                                   v_KGSH.transpose(0, 1), group.q_pos_GQ).transpose(1, 2)
+            elif use_matmul_attention(q_GQNH):
+                o_GQNH = matmul_attention(q_GQNH, k_KGSH, v_KGSH, group.mask_G1QS[:, 0])
             else:
-                o_GNQH = F.scaled_dot_product_attention(
-                    q_GNQH, k_GKSH.to(q_GNQH.dtype), v_GKSH.to(q_GNQH.dtype),
-                    attn_mask=group.mask_G1QS.to(q_GNQH.dtype), enable_gqa=gqa)
-            o_GQNH = o_GNQH.transpose(1, 2)
+                o_GQNH = F.scaled_dot_product_attention(
+                    q_GQNH.transpose(1, 2), k_KGSH.transpose(0, 1), v_KGSH.transpose(0, 1),
+                    attn_mask=group.mask_G1QS.to(q_GQNH.dtype), enable_gqa=gqa).transpose(1, 2)
             real = o_GQNH.flatten(0, 1) if group.valid_GV is None else o_GQNH[group.valid_GV]
             out_TNH.index_copy_(0, group.out_index_V, real)
         return out_TNH[None]
+
+
+def use_matmul_attention(q_GQNH: torch.Tensor) -> bool:
+    """Whether a group attends with `matmul_attention` rather than SDPA: bf16 on a CPU, up to
+    `MATMUL_MAX_QUERIES` queries per request (decode groups and short prefill chunks)."""
+    if q_GQNH.device.type != "cpu":
+        return False
+    return q_GQNH.shape[1] == 1 or (q_GQNH.dtype == torch.bfloat16 and q_GQNH.shape[1] <= MATMUL_MAX_QUERIES)
+
+
+def matmul_attention(q_GQNH: torch.Tensor, k_KGSH: torch.Tensor, v_KGSH: torch.Tensor,
+                     mask_GQS: torch.Tensor) -> torch.Tensor:
+    """Attention as two batched matmuls over the gathered kv-head-major layout, as it lies.
+
+    Batch = (kv head, request): the R = N / K query heads that share a kv head are that batch
+    entry's rows (R x Q queries), times its keys (contiguous [S, H]: no copy, no expansion of the
+    kv heads); scores scaled and masked in fp32, softmax in fp32, then the probabilities (in q's
+    dtype) times the values. In bf16 the scores are rounded to bf16 once, by the matmul, where
+    SDPA's CPU kernel keeps them in fp32 (test_engine_bf16 bounds what that costs).
+    """
+    num_rows, num_queries, num_heads, head_dim = q_GQNH.shape
+    num_kv_heads, num_positions = k_KGSH.shape[0], k_KGSH.shape[2]
+    group = num_heads // num_kv_heads
+    batch = num_kv_heads * num_rows
+    q_XYH = q_GQNH.view(num_rows, num_queries, num_kv_heads, group, head_dim).permute(2, 0, 1, 3, 4).reshape(
+        batch, num_queries * group, head_dim)  # X = (kv head, request), Y = (query, head in the group)
+    scores_KGQRS = torch.bmm(q_XYH, k_KGSH.reshape(batch, num_positions, head_dim).transpose(1, 2)).float().view(
+        num_kv_heads, num_rows, num_queries, group, num_positions)
+    scores_KGQRS.mul_(head_dim ** -0.5).add_(mask_GQS[None, :, :, None, :])
+    probs_XYS = torch.softmax(scores_KGQRS, dim=-1).to(q_GQNH.dtype).view(batch, num_queries * group, num_positions)
+    out_XYH = torch.bmm(probs_XYS, v_KGSH.reshape(batch, num_positions, head_dim))
+    return out_XYH.view(num_kv_heads, num_rows, num_queries, group, head_dim).permute(1, 2, 0, 3, 4).reshape(
+        num_rows, num_queries, num_heads, head_dim)
 
 
 class GatherWorkspace:
@@ -212,11 +260,11 @@ class GatherWorkspace:
         self._buffers: list[torch.Tensor | None] = [None, None]
 
     def gather(self, which: int, blocks: torch.Tensor, index_F: torch.Tensor) -> torch.Tensor:
-        block_shape = blocks.shape[1:]
-        numel = index_F.numel() * block_shape.numel()
+        """Blocks `index_F` of every kv head: [K, F, block_size, H] (blocks: [K, num_blocks, block_size, H])."""
+        numel = blocks.shape[0] * index_F.numel() * blocks.shape[2] * blocks.shape[3]
         buffer = self._buffers[which]
         if buffer is None or buffer.numel() < numel or buffer.dtype != blocks.dtype or buffer.device != blocks.device:
             buffer = torch.empty(numel, dtype=blocks.dtype, device=blocks.device)
             self._buffers[which] = buffer
-        out = buffer[:numel].view(index_F.numel(), *block_shape)
-        return torch.index_select(blocks, 0, index_F, out=out)
+        out = buffer[:numel].view(blocks.shape[0], index_F.numel(), *blocks.shape[2:])
+        return torch.index_select(blocks, 1, index_F, out=out)

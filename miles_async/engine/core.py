@@ -70,6 +70,7 @@ from miles_async.engine.request import (
 )
 from miles_async.engine.sampling import filtered_log_probs, make_generator, sample
 from miles_async.engine.weights import WeightStore, parse_version
+from miles_async.kernels import onednn
 from miles_async.trajectory import spans_of
 
 if TYPE_CHECKING:
@@ -117,6 +118,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Keep the weights in shared memory, so a pusher in another process on the node writes
     # straight into them (the shm transport). CPU memory: device "cpu" only.
     shared_weights: bool = False
+    # On a CPU, run the linear layers from copies of their weights prepacked for oneDNN
+    # (kernels/onednn.py: ~2x faster decode matmuls at small batches), made again after every
+    # weight update; costs the weights' bytes once more. Off in batch-invariant mode, and where
+    # this torch build or dtype cannot (then the plain path runs).
+    prepack_weights: bool = True
     # Where the weights, the KV cache and the step's tensors live: "cpu", "cuda" (the process's
     # current GPU), "cuda:N", or "auto" ("cuda" when the engine's process sees a GPU, else "cpu";
     # resolved there, by `resolve_device`).
@@ -252,8 +258,12 @@ class Engine:
         model_max = _config_int(mc, "max_position_embeddings", 2048)
         self.max_seq_len = min(config.max_seq_len or model_max, model_max)
         self.is_moe = bool(getattr(mc, "is_moe", _config_int(mc, "num_experts") > 0))
+        # The KV blocks hold keys and values in the model's dtype (those of a bf16 model are bf16
+        # already: storing them wider would only double the memory and the bytes each step reads).
+        kv_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         layer_shape = {"num_layers": _config_int(mc, "num_hidden_layers"), "block_size": config.block_size,
-                       "num_kv_heads": _config_int(mc, "num_key_value_heads") or num_heads, "head_dim": head_dim}
+                       "num_kv_heads": _config_int(mc, "num_key_value_heads") or num_heads, "head_dim": head_dim,
+                       "dtype": kv_dtype}
         num_blocks = int(config.kv_cache_mib * 2**20) // KVCache.bytes_per_block(**layer_shape)
         needed = -(-self.max_seq_len // config.block_size)
         if num_blocks < needed:
@@ -278,6 +288,12 @@ class Engine:
         self._pause_seq = 0  # "wait": only requests that arrived before this run
         self._cache_epoch = 0
         self._counters = collections.Counter()
+        # Prepacked weights (EngineConfig.prepack_weights): made on the compute thread before the
+        # first step after any change of the weights (`_weights_epoch` counts the changes).
+        self._prepack = (config.prepack_weights and not config.batch_invariant and hasattr(model, "prepack_weights")
+                         and compute.run_sync(onednn.supported, kv_dtype, self.device))
+        self._weights_epoch = 0
+        self._prepacked_epoch = -1
 
     # ----- construction and lifecycle -----
 
@@ -594,10 +610,12 @@ class Engine:
             await compute.run(self.weights.random_fill, seed)
             self.cache.tree.flush()
             self._cache_epoch += 1
+            self._weights_epoch += 1
 
     def _after_update(self, version: int) -> str:
         self.cache.tree.flush()
         self._cache_epoch += 1
+        self._weights_epoch += 1
         self._wake.set()  # a torn engine waits for this
         log.debug("weights now at version %s (%s)", version, self.weights.label)
         return self.weights.label
@@ -753,6 +771,9 @@ class Engine:
         batch-invariant mode.
         """
         device = self.device
+        if self._prepack and self._prepacked_epoch != self._weights_epoch:
+            self.model.prepack_weights()
+            self._prepacked_epoch = self._weights_epoch
         with torch.inference_mode():
             plan = build_plan(step.chunks, self.cache.block_size, device)
             rows = [i for i, s in enumerate(step.sampled) if s]

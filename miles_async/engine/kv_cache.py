@@ -1,8 +1,10 @@
 """The engine's KV memory: fixed-size blocks, their reference counts, and the radix prefix cache.
 
-Layout. Each layer's keys and values live in one tensor `[num_blocks, block_size, K, H]`; a
-request holds a block table (a list of block ids) and its token at position p sits in block
-`table[p // block_size]`, row `p % block_size`. Blocks let requests that share a prompt prefix
+Layout. Each layer's keys and values live in one tensor `[K, num_blocks, block_size, H]` (kv
+head major); a request holds a block table (a list of block ids) and its token at position p
+sits in block `table[p // block_size]`, row `p % block_size`, of every kv head. Head-major, so
+that gathering a batch's blocks (attention.py) lays each kv head's keys out as one contiguous
+`[G, S, H]` run, the operand of a batched matmul as it is. Blocks let requests that share a prompt prefix
 share its KV memory: the radix cache maps token prefixes, one full block at a time, to the block
 that holds their KV.
 
@@ -47,7 +49,7 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device(device)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
         with torch.inference_mode():
             self.k_blocks = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
             self.v_blocks = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]

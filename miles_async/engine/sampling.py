@@ -155,22 +155,31 @@ def sample(
     num_rows = logits_RV.shape[0]
     greedy = [i for i, p in enumerate(params) if p.greedy]
     drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if num_rows == 0:
+        return torch.empty(0, dtype=torch.long, device=device), torch.empty(0, dtype=torch.float32, device=device)
+    if len(greedy) == num_rows or len(drawn) == num_rows:  # one kind: no copies of [R, V] rows
+        return _sample_rows(logits_RV, params, generators, shared_generator)
     tokens_R = torch.empty(num_rows, dtype=torch.long, device=device)
     logprobs_R = torch.empty(num_rows, dtype=torch.float32, device=device)
-    if greedy:
-        rows = torch.tensor(greedy, dtype=torch.long, device=device)
-        logp_GV = torch.log_softmax(logits_RV[rows], dim=-1)
-        best_G = logp_GV.argmax(dim=-1)
-        tokens_R[rows] = best_G
-        logprobs_R[rows] = logp_GV.gather(1, best_G[:, None]).squeeze(1)
-    if drawn:
-        rows = torch.tensor(drawn, dtype=torch.long, device=device)
-        logp_SV = filtered_log_probs(logits_RV[rows], [params[i] for i in drawn])
-        noise_SV = _exponential_noise(logp_SV.shape, [generators[i] for i in drawn], shared_generator, device)
-        picked_S = (logp_SV - noise_SV.log()).argmax(dim=-1)  # log p - log E: the race in log space
-        tokens_R[rows] = picked_S
-        logprobs_R[rows] = logp_SV.gather(1, picked_S[:, None]).squeeze(1)
+    for kind in (greedy, drawn):
+        rows = torch.tensor(kind, dtype=torch.long, device=device)
+        tokens_R[rows], logprobs_R[rows] = _sample_rows(logits_RV[rows], [params[i] for i in kind],
+                                                        [generators[i] for i in kind], shared_generator)
     return tokens_R, logprobs_R
+
+
+def _sample_rows(logits_RV: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator | None],
+                 shared_generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` for rows that are all greedy or all drawn (float32 logits)."""
+    if params[0].greedy:
+        logp_RV = torch.log_softmax(logits_RV, dim=-1)
+        best_R = logp_RV.argmax(dim=-1)
+        return best_R, logp_RV.gather(1, best_R[:, None]).squeeze(1)
+    logp_RV = filtered_log_probs(logits_RV, params)
+    noise_RV = _exponential_noise(logp_RV.shape, generators, shared_generator, logits_RV.device)
+    picked_R = (logp_RV - noise_RV.log()).argmax(dim=-1)  # log p - log E: the race in log space
+    return picked_R, logp_RV.gather(1, picked_R[:, None]).squeeze(1)
 
 
 def filtered_log_probs(logits_SV: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

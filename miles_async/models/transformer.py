@@ -23,20 +23,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles_async.kernels import batch_invariant
+from miles_async.kernels import batch_invariant, onednn
 from miles_async.models.attention import AttentionBackend, DenseCausalAttention
 from miles_async.models.config import ModelConfig
 from miles_async.models.rope import Rotary, apply_rotary
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and names) that can run batch-invariant (true on-policy mode)."""
+    """`nn.Linear` (same parameters and names) that can run batch-invariant (true on-policy mode),
+    or from a prepacked copy of its weight (`kernels.onednn`, the engine's, inference only)."""
 
     batch_invariant = False  # set per module by CausalLM.set_batch_invariant
+    prepacked: torch.Tensor | None = None  # set per module by CausalLM.prepack_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
             return batch_invariant.linear(x, self.weight, self.bias)
+        if self.prepacked is not None:
+            return onednn.linear(x, self.prepacked, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -242,6 +246,26 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.set_batch_invariant(batch_invariant)
+
+    def prepack_weights(self, enabled: bool = True) -> int:
+        """Give every linear layer a prepacked copy of its weight (`kernels.onednn`), made from the
+        weights as they are now, or drop the copies (`enabled=False`); returns the bytes the copies
+        hold. Inference only (no gradient flows through a copy), and made again after any change to
+        the weights: the embedded engine does both. Raises ValueError where the weights' dtype and
+        device cannot be prepacked (`onednn.supported`)."""
+        total = 0
+        for module in self.modules():
+            if not isinstance(module, Linear):
+                continue
+            if not enabled:
+                module.prepacked = None
+                continue
+            weight = module.weight
+            if not onednn.supported(weight.dtype, weight.device):
+                raise ValueError(f"cannot prepack {weight.dtype} weights on {weight.device} with this torch build")
+            module.prepacked = onednn.prepack(weight)
+            total += weight.numel() * weight.element_size()
+        return total
 
     def set_batch_invariant(self, enabled: bool = True) -> None:
         """Switch true on-policy mode on or off (module flags only; weights untouched)."""

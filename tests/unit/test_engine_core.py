@@ -116,8 +116,8 @@ def test_paged_attention_equals_dense_attention_for_mixed_prefill_and_decode():
     with torch.inference_mode():  # the cache's tensors are inference tensors
         for (q, k, v), table, n, fresh in zip(full, tables, lengths, new):  # the cached part, written before
             for p in range(n - fresh):
-                cache.k_blocks[0][table[p // block_size], p % block_size] = k[p]
-                cache.v_blocks[0][table[p // block_size], p % block_size] = v[p]
+                cache.k_blocks[0][:, table[p // block_size], p % block_size] = k[p]
+                cache.v_blocks[0][:, table[p // block_size], p % block_size] = v[p]
     chunks = [ScheduledChunk(table, n - fresh, fresh) for table, n, fresh in zip(tables, lengths, new)]
     plan = build_plan(chunks, block_size)
     q_1TNH = torch.cat([q[n - f:] for (q, _, _), n, f in zip(full, lengths, new)])[None]

@@ -1,0 +1,116 @@
+"""The engine's fast CPU paths against its plain ones: linears from prepacked oneDNN weights
+(`EngineConfig.prepack_weights`, kernels/onednn.py) and attention as batched matmuls
+(`matmul_attention`, used for decoding groups and for short bf16 chunks) instead of SDPA.
+
+Stated tolerances: greedy outputs identical, token for token; the reported log-probs within 1e-5
+(fp32) and 0.02 (bf16, where the plain path itself rounds differently from SDPA) of the plain
+engine's. After a weight update the prepacked copies must follow the new weights: a stale copy
+would serve the old model silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from miles_async.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
+from miles_async.engine.attention import matmul_attention
+from miles_async.kernels import onednn
+from miles_async.models import init_model, load_pretrained
+
+pytestmark = pytest.mark.skipif(not onednn.supported(torch.float32, torch.device("cpu")),
+                                reason="this torch build cannot prepack weights for oneDNN")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model("qwen3", "tiny", tmp_path_factory.mktemp("model") / "tiny", seed=0)
+
+
+def prompts(count: int = 12) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 500, (3 + 5 * i,), generator=gen).tolist() for i in range(count)]
+
+
+def greedy(engine: Engine, batch: list[list[int]], num_tokens: int = 24) -> list:
+    async def run() -> list:
+        async with engine:
+            return await asyncio.gather(*(engine.generate(GenerateRequest(
+                input_ids=p, return_logprob=True, sampling_params=SamplingParams(
+                    temperature=0.0, max_new_tokens=num_tokens, ignore_eos=True))) for p in batch))
+
+    return asyncio.run(run())
+
+
+def engine(folder: Path, dtype: str, prepack: bool) -> Engine:
+    return Engine.from_pretrained(str(folder), config=EngineConfig(kv_cache_mib=8, dtype=dtype,  # type: ignore[arg-type]
+                                                                    prepack_weights=prepack))
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-5), ("bfloat16", 0.02)])
+def test_prepacked_engine_generates_what_the_plain_engine_does(folder: Path, dtype: str, tolerance: float) -> None:
+    fast, plain = engine(folder, dtype, True), engine(folder, dtype, False)
+    fast_outs, plain_outs = greedy(fast, prompts()), greedy(plain, prompts())
+    assert fast._prepack and not plain._prepack
+    linears = [m for m in fast.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.prepacked is not None for m in linears)  # the fast path really ran
+    assert all(getattr(m, "prepacked", None) is None for m in plain.model.modules())
+    for a, b in zip(fast_outs, plain_outs):
+        assert a.output_ids == b.output_ids
+        gap = (torch.tensor(a.output_token_logprobs) - torch.tensor(b.output_token_logprobs)).abs().max()
+        assert float(gap) < tolerance
+
+
+def test_prepacked_copies_follow_a_weight_update(folder: Path, tmp_path: Path) -> None:
+    other = init_model("qwen3", "tiny", tmp_path / "other", seed=7)
+    fast = engine(folder, "float32", True)
+    prompt = prompts()[3]
+
+    async def run() -> tuple:
+        async with fast:
+            request = GenerateRequest(input_ids=prompt, return_logprob=True, sampling_params=SamplingParams(
+                temperature=0.0, max_new_tokens=16, ignore_eos=True))
+            before = await fast.generate(request)
+            await fast.update_weights_from_tensors(load_pretrained(other).state_dict(), weight_version=1)
+            return before, await fast.generate(request)
+
+    def trace(out: object) -> tuple[list[int], torch.Tensor]:
+        return out.output_ids, torch.tensor(out.output_token_logprobs)  # type: ignore[attr-defined]
+
+    before, after = map(trace, asyncio.run(run()))
+    old_model, new_model = (trace(greedy(engine(f, "float32", False), [prompt], 16)[0]) for f in (folder, other))
+    for (ids, logprobs), (ref_ids, ref_logprobs) in ((before, old_model), (after, new_model)):
+        assert ids == ref_ids and torch.allclose(logprobs, ref_logprobs, atol=1e-5)
+    assert not torch.allclose(old_model[1], new_model[1], atol=1e-3)  # the check could not pass by accident
+
+
+def test_batch_invariant_engines_do_not_prepack(folder: Path) -> None:
+    config = EngineConfig(kv_cache_mib=8, batch_invariant=True)
+    assert not Engine.from_pretrained(str(folder), config=config)._prepack
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_rows", "num_queries", "num_positions"), [(16, 1, 48), (4, 7, 32)])
+def test_matmul_attention_equals_sdpa(dtype: torch.dtype, num_rows: int, num_queries: int,
+                                      num_positions: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    num_heads, num_kv_heads, head_dim = 6, 2, 16
+    q_GQNH = torch.randn(num_rows, num_queries, num_heads, head_dim, generator=gen).to(dtype)
+    k_KGSH = torch.randn(num_kv_heads, num_rows, num_positions, head_dim, generator=gen).to(dtype)
+    v_KGSH = torch.randn(num_kv_heads, num_rows, num_positions, head_dim, generator=gen).to(dtype)
+    last_G = torch.randint(num_queries, num_positions, (num_rows,), generator=gen)
+    pos_GQ = last_G[:, None] - torch.arange(num_queries - 1, -1, -1)[None]  # each row's queries end at last_G
+    mask_GQS = torch.zeros(num_rows, num_queries, num_positions).masked_fill_(
+        torch.arange(num_positions)[None, None] > pos_GQ[:, :, None], float("-inf"))
+    out = matmul_attention(q_GQNH, k_KGSH, v_KGSH, mask_GQS)
+    ref = F.scaled_dot_product_attention(
+        q_GQNH.float().transpose(1, 2), k_KGSH.float().transpose(0, 1), v_KGSH.float().transpose(0, 1),
+        attn_mask=mask_GQS[:, None], enable_gqa=True).transpose(1, 2)
+    assert out.dtype == dtype and out.shape == q_GQNH.shape
+    # fp32: the same sums in another order; bf16: scores and probabilities rounded to bf16 once each
+    tolerance = 1e-5 if dtype == torch.float32 else 0.05
+    assert float((out.float() - ref).abs().max()) < tolerance
