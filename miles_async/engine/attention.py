@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_async.engine.kv_cache import KVCache
-from miles_async.kernels import batch_invariant
+from miles_async.kernels import batch_invariant, cpu_kernels
 
 # A decode bucket closes when the next (shorter) request would waste more than this fraction of
 # the bucket's padded positions, unless the bucket is still small (a call costs ~50 us itself).
@@ -54,6 +54,13 @@ MIN_BUCKET_POSITIONS = 2048
 # (torch 2.13's SDPA CPU kernel in bf16 took 3.7 ms where two bmm per kv head took 0.7, for 64
 # decoding requests x 80 positions of SmolLM2's 9 heads; at one 1024-token chunk SDPA was faster).
 MATMUL_MAX_QUERIES = 256
+# Decoding groups attend by the fused kernel over the blocks in place (kernels/cpu_kernels.py,
+# parallel over requests x kv heads) on two or more threads, and on one thread when they hold at
+# most this many padded key positions in all (requests x positions); larger ones then gather and
+# multiply, where oneDNN's batched matmuls beat the kernel's loops. Measured here, SmolLM2's heads,
+# bf16, fused vs gathered: one thread, 1 request x 80 positions 18 vs 70 us, 4 x 80 57 vs 87,
+# 4 x 320 230 vs 132, 64 x 80 897 vs 369; two threads, 64 x 80 407 vs 678, 256 x 320 8.5 vs 10.6 ms.
+FUSED_MAX_POSITIONS = 384
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +83,7 @@ class AttentionGroup:
     out_index_V: torch.Tensor  # packed rows of the real queries, in valid_GV order
     num_positions: int  # S
     q_pos_GQ: torch.Tensor  # each query's position (padding at 0), for the batch-invariant kernel
+    lengths_G: torch.Tensor | None  # a decoding group's (one query each) key counts, for the fused kernel
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +172,7 @@ def _group(chunks: Sequence[ScheduledChunk], offsets: list[int], rows: list[int]
         out_index_V=torch.tensor(out_index, dtype=torch.long, device=device),
         num_positions=num_positions,
         q_pos_GQ=q_pos_GQ,
+        lengths_G=q_pos_GQ[:, 0] + 1 if num_queries == 1 else None,
     )
 
 
@@ -171,17 +180,21 @@ class PagedAttention:
     """`AttentionBackend` (miles_async.models.attention) over the engine's KV blocks, for one step.
 
     The model calls it once per layer with the packed row's q/k/v (rotary applied); batch size is
-    1. The gather buffers are the engine's, reused from step to step. `batch_invariant=True`
+    1. The gather buffers are the engine's, reused from step to step. `fused=True` (a CPU engine
+    whose fused kernels built, kernels/cpu_kernels.py) attends decoding groups by one kernel
+    call that reads the blocks in place, through the block tables: no gather. `batch_invariant=True`
     (true on-policy mode) attends with `kernels.batch_invariant.attention` instead of SDPA: the
     gathered layout already holds each key at its position, as that kernel wants.
     """
 
     def __init__(self, cache: KVCache, plan: StepPlan, workspace: GatherWorkspace, *,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, fused: bool = False) -> None:
         self._cache = cache
         self._plan = plan
         self._workspace = workspace
         self._batch_invariant = batch_invariant
+        self._fused = fused
+        self._threads = torch.get_num_threads() if fused else 1
 
     def __call__(self, layer_idx: int, q_BTNH: torch.Tensor, k_BTKH: torch.Tensor, v_BTKH: torch.Tensor,
                  positions_BT: torch.Tensor) -> torch.Tensor:
@@ -196,6 +209,12 @@ class PagedAttention:
         gqa = q_TNH.shape[1] != num_kv_heads
         for group in self._plan.groups:
             num_rows, num_positions = group.q_index_GQ.shape[0], group.num_positions
+            if (self._fused and group.lengths_G is not None
+                    and (self._threads > 1 or num_rows * num_positions <= FUSED_MAX_POSITIONS)):  # no gather
+                cpu_kernels.paged_decode_attention(
+                    q_TNH, group.q_index_GQ.view(-1), k_blocks, v_blocks, group.blocks_F.view(num_rows, -1),
+                    group.lengths_G, out_TNH, group.out_index_V, head_dim ** -0.5)
+                continue
             k_KGSH = self._workspace.gather(0, k_blocks, group.blocks_F).view(
                 num_kv_heads, num_rows, num_positions, head_dim).to(q_TNH.dtype)
             v_KGSH = self._workspace.gather(1, v_blocks, group.blocks_F).view(

@@ -70,7 +70,7 @@ from miles_async.engine.request import (
 )
 from miles_async.engine.sampling import filtered_log_probs, make_generator, sample
 from miles_async.engine.weights import WeightStore, parse_version
-from miles_async.kernels import onednn
+from miles_async.kernels import cpu_kernels, onednn
 from miles_async.trajectory import spans_of
 
 if TYPE_CHECKING:
@@ -123,6 +123,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # weight update; costs the weights' bytes once more. Off in batch-invariant mode, and where
     # this torch build or dtype cannot (then the plain path runs).
     prepack_weights: bool = True
+    # On a CPU, run RMSNorm, rotary embedding, SwiGLU's activation and decode attention (straight
+    # over the paged KV blocks, no gather) through fused kernels (kernels/cpu_kernels.py, compiled
+    # once per machine with the system's C++ compiler; without one, the plain torch ops run). Off
+    # in batch-invariant mode.
+    fused_cpu_kernels: bool = True
     # Where the weights, the KV cache and the step's tensors live: "cpu", "cuda" (the process's
     # current GPU), "cuda:N", or "auto" ("cuda" when the engine's process sees a GPU, else "cpu";
     # resolved there, by `resolve_device`).
@@ -294,6 +299,10 @@ class Engine:
                          and compute.run_sync(onednn.supported, kv_dtype, self.device))
         self._weights_epoch = 0
         self._prepacked_epoch = -1
+        self._fused = (config.fused_cpu_kernels and not config.batch_invariant and hasattr(model, "use_cpu_kernels")
+                       and compute.run_sync(cpu_kernels.supports, kv_dtype, self.device))
+        if self._fused:
+            model.use_cpu_kernels(True)
 
     # ----- construction and lifecycle -----
 
@@ -822,7 +831,8 @@ class Engine:
         prefill chunk needs the vocabulary projection of its last token only, not of all of them.
         Any other model with the spec'd forward gets the full logits, then the rows.
         """
-        attn = PagedAttention(self.cache, plan, self._workspace, batch_invariant=self.config.batch_invariant)
+        attn = PagedAttention(self.cache, plan, self._workspace, batch_invariant=self.config.batch_invariant,
+                              fused=self._fused)
         positions_1T = plan.positions_T[None]
         backbone, lm_head = getattr(self.model, "model", None), getattr(self.model, "lm_head", None)
         if backbone is not None and lm_head is not None:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles_async.kernels import batch_invariant, onednn
+from miles_async.kernels import batch_invariant, cpu_kernels, onednn
 from miles_async.models.attention import AttentionBackend, DenseCausalAttention
 from miles_async.models.config import ModelConfig
 from miles_async.models.rope import Rotary, apply_rotary
@@ -50,7 +50,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(width))
         self.eps = eps
 
+    fused = False  # set by CausalLM.use_cpu_kernels: one kernel (kernels/cpu_kernels.py), inference only
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and not x.requires_grad:
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32, cast back, then scale: transformers' order, which matters in bf16.
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -74,6 +78,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.fused = False  # set by CausalLM.use_cpu_kernels
 
     def forward(
         self,
@@ -88,7 +93,8 @@ class Attention(nn.Module):
         v_BTKH = self.v_proj(x_BTD).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-        q_BTNH, k_BTKH = apply_rotary(q_BTNH, *cos_sin), apply_rotary(k_BTKH, *cos_sin)
+        rotate = cpu_kernels.rotary if self.fused and not x_BTD.requires_grad else apply_rotary
+        q_BTNH, k_BTKH = rotate(q_BTNH, *cos_sin), rotate(k_BTKH, *cos_sin)
         out_BTNH = attn(self.layer_idx, q_BTNH, k_BTKH, v_BTKH, positions_BT)
         return self.o_proj(out_BTNH.reshape(batch, num_tokens, self.num_heads * self.head_dim))
 
@@ -266,6 +272,19 @@ class CausalLM(nn.Module):
             module.prepacked = onednn.prepack(weight)
             total += weight.numel() * weight.element_size()
         return total
+
+    def use_cpu_kernels(self, enabled: bool = True) -> None:
+        """Run RMSNorm and rotary embedding through the fused CPU kernels
+        (kernels/cpu_kernels.py) in forwards without autograd, or stop (`enabled=False`). Raises
+        ValueError where they cannot run: not a CPU, a dtype other than fp32/bf16, no compiler."""
+        if enabled:
+            weight = self.lm_head.weight
+            if not cpu_kernels.supports(weight.dtype, weight.device):
+                why = cpu_kernels.unavailable_reason() or f"{weight.dtype} weights on {weight.device}"
+                raise ValueError(f"the fused CPU kernels cannot run here: {why}")
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention)):
+                module.fused = enabled
 
     def set_batch_invariant(self, enabled: bool = True) -> None:
         """Switch true on-policy mode on or off (module flags only; weights untouched)."""

@@ -1,6 +1,7 @@
 """The engine's fast CPU paths against its plain ones: linears from prepacked oneDNN weights
-(`EngineConfig.prepack_weights`, kernels/onednn.py) and attention as batched matmuls
-(`matmul_attention`, used for decoding groups and for short bf16 chunks) instead of SDPA.
+(`EngineConfig.prepack_weights`, kernels/onednn.py), the fused kernels (`fused_cpu_kernels`:
+RMSNorm, rotary, decode attention over the blocks in place, kernels/cpu_kernels.py), and attention
+as batched matmuls (`matmul_attention`, for decoding groups and short bf16 chunks) instead of SDPA.
 
 Stated tolerances: greedy outputs identical, token for token; the reported log-probs within 1e-5
 (fp32) and 0.02 (bf16, where the plain path itself rounds differently from SDPA) of the plain
@@ -17,9 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from miles_async.engine import Engine, EngineConfig, GenerateRequest, SamplingParams
+from miles_async.engine import Engine, EngineConfig, GenerateRequest, SamplingParams, compute
 from miles_async.engine.attention import matmul_attention
-from miles_async.kernels import onednn
+from miles_async.kernels import cpu_kernels, onednn
 from miles_async.models import init_model, load_pretrained
 
 pytestmark = pytest.mark.skipif(not onednn.supported(torch.float32, torch.device("cpu")),
@@ -46,16 +47,24 @@ def greedy(engine: Engine, batch: list[list[int]], num_tokens: int = 24) -> list
     return asyncio.run(run())
 
 
-def engine(folder: Path, dtype: str, prepack: bool) -> Engine:
-    return Engine.from_pretrained(str(folder), config=EngineConfig(kv_cache_mib=8, dtype=dtype,  # type: ignore[arg-type]
-                                                                    prepack_weights=prepack))
+def engine(folder: Path, dtype: str, fast: bool) -> Engine:
+    return Engine.from_pretrained(str(folder), config=EngineConfig(  # type: ignore[arg-type]
+        kv_cache_mib=8, dtype=dtype, prepack_weights=fast, fused_cpu_kernels=fast))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("threads", [1, 2])  # one thread: small decoding groups only take the fused kernel
 @pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-5), ("bfloat16", 0.02)])
-def test_prepacked_engine_generates_what_the_plain_engine_does(folder: Path, dtype: str, tolerance: float) -> None:
-    fast, plain = engine(folder, dtype, True), engine(folder, dtype, False)
-    fast_outs, plain_outs = greedy(fast, prompts()), greedy(plain, prompts())
-    assert fast._prepack and not plain._prepack
+def test_fast_engine_generates_what_the_plain_engine_does(folder: Path, dtype: str, tolerance: float,
+                                                          threads: int) -> None:
+    before = compute.run_sync(torch.get_num_threads)
+    compute.run_sync(torch.set_num_threads, threads)
+    try:
+        fast, plain = engine(folder, dtype, True), engine(folder, dtype, False)
+        fast_outs, plain_outs = greedy(fast, prompts()), greedy(plain, prompts())
+    finally:
+        compute.run_sync(torch.set_num_threads, before)
+    assert fast._prepack and not plain._prepack and not plain._fused
+    assert fast._fused == cpu_kernels.supports(getattr(torch, dtype), torch.device("cpu"))
     linears = [m for m in fast.model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(m.prepacked is not None for m in linears)  # the fast path really ran
     assert all(getattr(m, "prepacked", None) is None for m in plain.model.modules())
@@ -88,9 +97,10 @@ def test_prepacked_copies_follow_a_weight_update(folder: Path, tmp_path: Path) -
     assert not torch.allclose(old_model[1], new_model[1], atol=1e-3)  # the check could not pass by accident
 
 
-def test_batch_invariant_engines_do_not_prepack(folder: Path) -> None:
+def test_batch_invariant_engines_take_neither_fast_path(folder: Path) -> None:
     config = EngineConfig(kv_cache_mib=8, batch_invariant=True)
-    assert not Engine.from_pretrained(str(folder), config=config)._prepack
+    batch_invariant = Engine.from_pretrained(str(folder), config=config)
+    assert not batch_invariant._prepack and not batch_invariant._fused
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -87,7 +87,8 @@ def test_wheel_installs_only_miles_async(tmp_path: Path) -> None:
     (wheel,) = wheels.glob("miles_async-0.1.0-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {name.split("/")[0] for name in names} == {"miles_async", "miles_async-0.1.0.dist-info"}
-    for module in ("actors/__init__.py", "bench/__init__.py", "launch/cli.py", "sim/__init__.py"):
+    for module in ("actors/__init__.py", "bench/__init__.py", "launch/cli.py", "sim/__init__.py",
+                   "kernels/cpu_kernels.cpp"):  # the C++ source that the engine compiles at first use
         assert f"miles_async/{module}" in names
 
     site = tmp_path / "site"

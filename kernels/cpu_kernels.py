@@ -1,0 +1,177 @@
+"""Fused CPU kernels for the embedded engine's decode steps (cpu_kernels.cpp), built on first use.
+
+A decode step at a small batch spends more time dispatching small torch ops than computing:
+SmolLM2-135M at batch 1 ran ~2,100 ops per step, 18 ms where its weights stream in 6.5 ms. These
+kernels each replace a chain of them, per layer: RMSNorm (8 ops), rotary embedding (6 ops per
+tensor), and decode attention, which also reads keys and values straight from the paged cache
+through each request's block table instead of gathering them into a padded copy first (the gather
+was 31% of the bench model's step time at 256 requests). Measured here, one thread, bf16:
+RMSNorm over 4 x 576, 16 -> 3.7 us; rotary of 4 x 9 x 64, 12 -> 3.5 us; attention, see
+engine/attention.py's FUSED_MAX_POSITIONS for where it wins. A silu-and-multiply kernel was
+slower than torch's two vectorised ops (its exp did not vectorise) and was dropped.
+
+Numerics: the elementwise kernels round every intermediate to the tensor's dtype where the eager
+code does, so they match it up to the order of a sum (tests/unit/test_cpu_kernels.py states the
+tolerances); attention keeps scores, softmax and the weighted sum in float32.
+
+Build: the C++ file is compiled once per machine with the system's `c++` (g++ or clang, OpenMP),
+into `$MILES_ASYNC_CACHE/kernels` (default ~/.cache/miles-async/kernels), named by a hash of the
+source, the compiler flags and the CPU's flags (it is built with -march=native, so a copy from
+another CPU model is never loaded). About 2 s; concurrent processes build under a lock and load
+the same file. Where there is no compiler or the build fails, `library()` returns None, says why
+once in the log, and the engine runs its torch ops instead (`available()` is False); set
+`MILES_ASYNC_CPU_KERNELS=0` to force that.
+
+The library links OpenMP by its soname, which resolves to the runtime torch already loaded, so
+the kernels run on the calling thread's OpenMP team with `torch.set_num_threads`'s count.
+
+Try it: `python -m miles_async.kernels.cpu_kernels` builds the library and prints its path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+# -ffp-contract=off: no fused multiply-adds where the eager code rounds a product before a sum
+# (the attention loops ask for theirs with std::fma).
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+ABI_VERSION = 1
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_state: dict[str, object] = {}
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and instruction-set flags (what -march=native compiles for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() + platform.processor()
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MILES_ASYNC_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "miles-async") / "kernels"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build per machine; the others wait, then load it
+        if target.exists():
+            return
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            staged = Path(tmp) / target.name
+            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(staged)], check=False, capture_output=True,
+                                  text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+            staged.rename(target)
+
+
+def _load() -> ctypes.CDLL:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + compiler.encode()
+                         + _cpu_signature().encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{key}.so"
+    if not target.exists():
+        _build(compiler, target)
+    lib = ctypes.CDLL(str(target))
+    if lib.miles_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{target} has ABI version {lib.miles_abi_version()}, expected {ABI_VERSION}")
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    lib.miles_rms_norm.argtypes = [i32, ptr, ptr, ptr, i64, i64, f32]
+    lib.miles_rotary.argtypes = [i32, ptr, ptr, ptr, ptr, i64, i64, i64]
+    lib.miles_paged_decode_attention.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr,
+                                                 i64, i64, i64, i64, i64, i64, f32]
+    for fn in (lib.miles_rms_norm, lib.miles_rotary, lib.miles_paged_decode_attention):
+        fn.restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels (built on first use), or None where they cannot be built or are turned off."""
+    if "lib" not in _state:
+        lib, why = None, None
+        if os.environ.get("MILES_ASYNC_CPU_KERNELS", "1") == "0":
+            why = "MILES_ASYNC_CPU_KERNELS=0"
+        else:
+            try:
+                lib = _load()
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                why = f"{type(e).__name__}: {e}"
+        if why is not None:
+            log.warning("fused CPU kernels unavailable, the engine runs plain torch ops instead: %s", why)
+        _state["lib"], _state["why"] = lib, why
+    return _state["lib"]  # type: ignore[return-value]
+
+
+def unavailable_reason() -> str | None:
+    library()
+    return _state["why"]  # type: ignore[return-value]
+
+
+def supports(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether tensors of `dtype` on `device` can go through the kernels here."""
+    return device.type == "cpu" and dtype in _DTYPES and library() is not None
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm` over the last dim (models/transformer.py's numerics)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    width = x.shape[-1]
+    library().miles_rms_norm(_DTYPES[x.dtype], _ptr(x), _ptr(weight), _ptr(out), x.numel() // width, width, eps)  # type: ignore[union-attr]
+    return out
+
+
+def rotary(x_BTNH: torch.Tensor, cos_BTH: torch.Tensor, sin_BTH: torch.Tensor) -> torch.Tensor:
+    """`rope.apply_rotary` (cos and sin already in x's dtype)."""
+    x_BTNH, cos_BTH, sin_BTH = x_BTNH.contiguous(), cos_BTH.contiguous(), sin_BTH.contiguous()
+    out = torch.empty_like(x_BTNH)
+    batch, tokens, heads, head_dim = x_BTNH.shape
+    library().miles_rotary(_DTYPES[x_BTNH.dtype], _ptr(x_BTNH), _ptr(cos_BTH), _ptr(sin_BTH), _ptr(out),  # type: ignore[union-attr]
+                           batch * tokens, heads, head_dim)
+    return out
+
+
+def paged_decode_attention(q_TNH: torch.Tensor, q_rows_G: torch.Tensor, k_blocks: torch.Tensor,
+                           v_blocks: torch.Tensor, tables_GW: torch.Tensor, lengths_G: torch.Tensor,
+                           out_TNH: torch.Tensor, out_rows_G: torch.Tensor, scale: float) -> None:
+    """Each request g's query (row q_rows_G[g] of q_TNH) over its first lengths_G[g] cached
+    positions (blocks [K, num_blocks, block_size, H], block table row g of tables_GW), written to
+    row out_rows_G[g] of out_TNH. Index tensors int64; q, the blocks and out of one dtype, contiguous."""
+    num_kv_heads, num_blocks, block_size, head_dim = k_blocks.shape
+    if not (out_TNH.is_contiguous() and k_blocks.is_contiguous() and v_blocks.is_contiguous()):
+        raise ValueError("paged_decode_attention writes out_TNH and reads the blocks in place: all contiguous")
+    q_TNH, tables_GW = q_TNH.contiguous(), tables_GW.contiguous()
+    library().miles_paged_decode_attention(  # type: ignore[union-attr]
+        _DTYPES[q_TNH.dtype], _ptr(q_TNH), _ptr(q_rows_G), _ptr(k_blocks), _ptr(v_blocks), _ptr(tables_GW),
+        tables_GW.shape[1], _ptr(lengths_G), _ptr(out_TNH), _ptr(out_rows_G), q_rows_G.numel(), q_TNH.shape[1],
+        num_kv_heads, head_dim, num_blocks, block_size, scale)
+
+
+if __name__ == "__main__":
+    print(library() and library()._name or unavailable_reason())  # type: ignore[union-attr]
