@@ -106,16 +106,20 @@ void rotary(const T* x, const T* cos, const T* sin, T* out, int64_t tokens, int6
 // block_size, H] through its block table (row g of tables [G, table_width]); the output goes to
 // row out_rows[g] of out [*, N, H]. Scores, softmax and the weighted sum in float32. Query head
 // n reads kv head n / (N / K).
-template <typename T>
+// HD > 0: the head dim as a compile-time constant (64 and 128 are instantiated), so the short
+// loops over it unroll fully; HD == 0 takes it at run time.
+template <typename T, int HD>
 void paged_decode_attention(const T* q, const int64_t* q_rows, const T* k_blocks, const T* v_blocks,
                             const int64_t* tables, int64_t table_width, const int64_t* lengths, T* out,
                             const int64_t* out_rows, int64_t num_requests, int64_t num_heads,
-                            int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                            int64_t num_kv_heads, int64_t head_dim_arg, int64_t num_blocks, int64_t block_size,
                             float scale) {
+  const int64_t head_dim = HD > 0 ? HD : head_dim_arg;
   const int64_t group = num_heads / num_kv_heads;
 #pragma omp parallel
   {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), row_buffer(head_dim), scores;
+    float* __restrict__ row = row_buffer.data();
 #pragma omp for schedule(dynamic)
     for (int64_t job = 0; job < num_requests * num_kv_heads; ++job) {
       const int64_t g = job / num_kv_heads, kv = job % num_kv_heads, length = lengths[g];
@@ -126,37 +130,43 @@ void paged_decode_attention(const T* q, const int64_t* q_rows, const T* k_blocks
         const T* qv = q + (q_rows[g] * num_heads + kv * group + r) * head_dim;
         for (int64_t i = 0; i < head_dim; ++i) qf[r * head_dim + i] = load(qv, i) * scale;
       }
-      scores.assign(group * length, 0.f);
+      scores.resize(group * length);
+      float* __restrict__ sc = scores.data();
       for (int64_t p = 0; p < length; ++p) {
         const T* kp = kv_k + (table[p / block_size] * block_size + p % block_size) * head_dim;
+#pragma omp simd
         for (int64_t i = 0; i < head_dim; ++i) row[i] = load(kp, i);
         for (int64_t r = 0; r < group; ++r) {
-          const float* qr = qf.data() + r * head_dim;
+          const float* __restrict__ qr = qf.data() + r * head_dim;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t i = 0; i < head_dim; ++i) dot = std::fma(qr[i], row[i], dot);
-          scores[r * length + p] = dot;
+          sc[r * length + p] = dot;
         }
       }
       for (int64_t r = 0; r < group; ++r) {
-        float* sr = scores.data() + r * length;
+        float* __restrict__ sr = sc + r * length;
         float top = -INFINITY;
+#pragma omp simd reduction(max : top)
         for (int64_t p = 0; p < length; ++p) top = sr[p] > top ? sr[p] : top;
         float total = 0.f;
+#pragma omp simd reduction(+ : total)
         for (int64_t p = 0; p < length; ++p) {
           sr[p] = exp_approx(sr[p] - top);
           total += sr[p];
         }
         const float inv = 1.f / total;
+#pragma omp simd
         for (int64_t p = 0; p < length; ++p) sr[p] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p = 0; p < length; ++p) {
         const T* vp = kv_v + (table[p / block_size] * block_size + p % block_size) * head_dim;
+#pragma omp simd
         for (int64_t i = 0; i < head_dim; ++i) row[i] = load(vp, i);
         for (int64_t r = 0; r < group; ++r) {
-          const float w = scores[r * length + p];
-          float* ar = acc.data() + r * head_dim;
+          const float w = sc[r * length + p];
+          float* __restrict__ ar = acc.data() + r * head_dim;
 #pragma omp simd
           for (int64_t i = 0; i < head_dim; ++i) ar[i] = std::fma(w, row[i], ar[i]);
         }
@@ -167,6 +177,21 @@ void paged_decode_attention(const T* q, const int64_t* q_rows, const T* k_blocks
       }
     }
   }
+}
+
+template <typename T>
+void paged_decode_attention_any(const T* q, const int64_t* q_rows, const T* k_blocks, const T* v_blocks,
+                                const int64_t* tables, int64_t table_width, const int64_t* lengths, T* out,
+                                const int64_t* out_rows, int64_t num_requests, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                                float scale) {
+  auto run = [&](auto kernel) {
+    kernel(q, q_rows, k_blocks, v_blocks, tables, table_width, lengths, out, out_rows, num_requests, num_heads,
+           num_kv_heads, head_dim, num_blocks, block_size, scale);
+  };
+  if (head_dim == 64) run(paged_decode_attention<T, 64>);
+  else if (head_dim == 128) run(paged_decode_attention<T, 128>);
+  else run(paged_decode_attention<T, 0>);
 }
 
 }  // namespace
@@ -197,12 +222,12 @@ void miles_paged_decode_attention(int dtype, const void* q, const int64_t* q_row
                                   int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
                                   int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale) {
   if (dtype == 0)
-    paged_decode_attention(static_cast<const float*>(q), q_rows, static_cast<const float*>(k_blocks),
+    paged_decode_attention_any(static_cast<const float*>(q), q_rows, static_cast<const float*>(k_blocks),
                            static_cast<const float*>(v_blocks), tables, table_width, lengths,
                            static_cast<float*>(out), out_rows, num_requests, num_heads, num_kv_heads,
                            head_dim, num_blocks, block_size, scale);
   else
-    paged_decode_attention(static_cast<const uint16_t*>(q), q_rows, static_cast<const uint16_t*>(k_blocks),
+    paged_decode_attention_any(static_cast<const uint16_t*>(q), q_rows, static_cast<const uint16_t*>(k_blocks),
                            static_cast<const uint16_t*>(v_blocks), tables, table_width, lengths,
                            static_cast<uint16_t*>(out), out_rows, num_requests, num_heads, num_kv_heads,
                            head_dim, num_blocks, block_size, scale);

@@ -55,12 +55,13 @@ MIN_BUCKET_POSITIONS = 2048
 # decoding requests x 80 positions of SmolLM2's 9 heads; at one 1024-token chunk SDPA was faster).
 MATMUL_MAX_QUERIES = 256
 # Decoding groups attend by the fused kernel over the blocks in place (kernels/cpu_kernels.py,
-# parallel over requests x kv heads) on two or more threads, and on one thread when they hold at
-# most this many padded key positions in all (requests x positions); larger ones then gather and
-# multiply, where oneDNN's batched matmuls beat the kernel's loops. Measured here, SmolLM2's heads,
-# bf16, fused vs gathered: one thread, 1 request x 80 positions 18 vs 70 us, 4 x 80 57 vs 87,
-# 4 x 320 230 vs 132, 64 x 80 897 vs 369; two threads, 64 x 80 407 vs 678, 256 x 320 8.5 vs 10.6 ms.
-FUSED_MAX_POSITIONS = 384
+# parallel over requests x kv heads), except in bf16 on one thread when they hold more than this
+# many padded key positions in all (requests x positions): those gather and multiply, where
+# oneDNN's bf16 batched matmuls keep up with the kernel's fp32 loops. Measured here, SmolLM2's
+# heads, one thread, fused vs gathered: bf16, 1 request x 80 positions 12 vs 71 us, 4 x 320 126 vs
+# 131, 16 x 320 506 vs 320, 64 x 80 512 vs 367; fp32, 64 x 80 503 vs 640 and 256 x 320 18 vs 21 ms;
+# on two threads the kernel doubles its speed and the gathered path does not.
+FUSED_MAX_POSITIONS = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +211,8 @@ class PagedAttention:
         for group in self._plan.groups:
             num_rows, num_positions = group.q_index_GQ.shape[0], group.num_positions
             if (self._fused and group.lengths_G is not None
-                    and (self._threads > 1 or num_rows * num_positions <= FUSED_MAX_POSITIONS)):  # no gather
+                    and (self._threads > 1 or q_TNH.dtype != torch.bfloat16
+                         or num_rows * num_positions <= FUSED_MAX_POSITIONS)):  # no gather
                 cpu_kernels.paged_decode_attention(
                     q_TNH, group.q_index_GQ.view(-1), k_blocks, v_blocks, group.blocks_F.view(num_rows, -1),
                     group.lengths_G, out_TNH, group.out_index_V, head_dim ** -0.5)

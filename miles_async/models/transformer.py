@@ -79,6 +79,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.fused = False  # set by CausalLM.use_cpu_kernels
+        # (weight, bias) of q, k and v stacked and prepacked: set by CausalLM.prepack_weights
+        self.qkv_prepacked: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def forward(
         self,
@@ -88,9 +90,14 @@ class Attention(nn.Module):
         attn: AttentionBackend,
     ) -> torch.Tensor:
         batch, num_tokens, _ = x_BTD.shape
-        q_BTNH = self.q_proj(x_BTD).view(batch, num_tokens, self.num_heads, self.head_dim)
-        k_BTKH = self.k_proj(x_BTD).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
-        v_BTKH = self.v_proj(x_BTD).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv_prepacked is not None and not x_BTD.requires_grad:  # one matmul for q, k and v
+            q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q_BTX, k_BTX, v_BTX = onednn.linear(x_BTD, *self.qkv_prepacked).split([q_width, kv_width, kv_width], -1)
+        else:
+            q_BTX, k_BTX, v_BTX = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+        q_BTNH = q_BTX.view(batch, num_tokens, self.num_heads, self.head_dim)
+        k_BTKH = k_BTX.view(batch, num_tokens, self.num_kv_heads, self.head_dim)
+        v_BTKH = v_BTX.view(batch, num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         rotate = cpu_kernels.rotary if self.fused and not x_BTD.requires_grad else apply_rotary
@@ -110,7 +117,13 @@ class MLP(nn.Module):
         self.up_proj = Linear(hidden_size, width, bias=bias)
         self.down_proj = Linear(width, hidden_size, bias=bias)
 
+    # (weight, bias) of gate and up stacked and prepacked: set by CausalLM.prepack_weights
+    gate_up_prepacked: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_prepacked is not None and not x.requires_grad:  # one matmul for gate and up
+            gate, up = onednn.linear(x, *self.gate_up_prepacked).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         act = batch_invariant.silu if self.batch_invariant else F.silu
         return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
 
@@ -254,23 +267,46 @@ class CausalLM(nn.Module):
         self.set_batch_invariant(batch_invariant)
 
     def prepack_weights(self, enabled: bool = True) -> int:
-        """Give every linear layer a prepacked copy of its weight (`kernels.onednn`), made from the
+        """Give the linear layers prepacked copies of their weights (`kernels.onednn`), made from the
         weights as they are now, or drop the copies (`enabled=False`); returns the bytes the copies
-        hold. Inference only (no gradient flows through a copy), and made again after any change to
-        the weights: the embedded engine does both. Raises ValueError where the weights' dtype and
+        hold. Attention's q, k and v projections get one copy of the three stacked (one matmul),
+        as do an MLP's gate and up projections; every other linear layer a copy of its own.
+        Inference only (no gradient flows through a copy), and made again after any change to the
+        weights: the embedded engine does both. Raises ValueError where the weights' dtype and
         device cannot be prepacked (`onednn.supported`)."""
+        weight = self.lm_head.weight
+        if enabled and not onednn.supported(weight.dtype, weight.device):
+            raise ValueError(f"cannot prepack {weight.dtype} weights on {weight.device} with this torch build")
         total = 0
-        for module in self.modules():
-            if not isinstance(module, Linear):
-                continue
+
+        def stacked(*layers: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+            nonlocal total
             if not enabled:
-                module.prepacked = None
-                continue
-            weight = module.weight
-            if not onednn.supported(weight.dtype, weight.device):
-                raise ValueError(f"cannot prepack {weight.dtype} weights on {weight.device} with this torch build")
-            module.prepacked = onednn.prepack(weight)
+                return None
+            with torch.no_grad():
+                weight = torch.cat([layer.weight for layer in layers])
+                biases = [layer.bias for layer in layers]
+                bias = None if all(b is None for b in biases) else torch.cat([
+                    b if b is not None else layer.weight.new_zeros(layer.out_features)
+                    for b, layer in zip(biases, layers)])
             total += weight.numel() * weight.element_size()
+            return onednn.prepack(weight), bias
+
+        grouped: set[int] = set()
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.qkv_prepacked = stacked(module.q_proj, module.k_proj, module.v_proj)
+                grouped.update(id(m) for m in (module.q_proj, module.k_proj, module.v_proj))
+            elif isinstance(module, MLP):
+                module.gate_up_prepacked = stacked(module.gate_proj, module.up_proj)
+                grouped.update(id(m) for m in (module.gate_proj, module.up_proj))
+        for module in self.modules():
+            if isinstance(module, Linear):
+                if not enabled or id(module) in grouped:
+                    module.prepacked = None
+                else:
+                    module.prepacked = onednn.prepack(module.weight)
+                    total += module.weight.numel() * module.weight.element_size()
         return total
 
     def use_cpu_kernels(self, enabled: bool = True) -> None:

@@ -22,6 +22,7 @@ from miles_async.engine import Engine, EngineConfig, GenerateRequest, SamplingPa
 from miles_async.engine.attention import matmul_attention
 from miles_async.kernels import cpu_kernels, onednn
 from miles_async.models import init_model, load_pretrained
+from miles_async.models.transformer import MLP, Attention
 
 pytestmark = pytest.mark.skipif(not onednn.supported(torch.float32, torch.device("cpu")),
                                 reason="this torch build cannot prepack weights for oneDNN")
@@ -65,9 +66,14 @@ def test_fast_engine_generates_what_the_plain_engine_does(folder: Path, dtype: s
         compute.run_sync(torch.set_num_threads, before)
     assert fast._prepack and not plain._prepack and not plain._fused
     assert fast._fused == cpu_kernels.supports(getattr(torch, dtype), torch.device("cpu"))
-    linears = [m for m in fast.model.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(m.prepacked is not None for m in linears)  # the fast path really ran
-    assert all(getattr(m, "prepacked", None) is None for m in plain.model.modules())
+    packed = [m.qkv_prepacked for m in fast.model.modules() if isinstance(m, Attention)]
+    packed += [m.gate_up_prepacked for m in fast.model.modules() if isinstance(m, MLP)]
+    packed += [m.prepacked for name, m in fast.model.named_modules()
+               if name.endswith(("o_proj", "down_proj", "lm_head"))]
+    assert len(packed) == 4 * fast.model.config.num_hidden_layers + 1  # qkv, gate_up, o, down; lm_head
+    assert all(p is not None for p in packed)  # the fast path really ran
+    assert all(getattr(m, "prepacked", None) is None and getattr(m, "qkv_prepacked", None) is None
+               for m in plain.model.modules())
     for a, b in zip(fast_outs, plain_outs):
         assert a.output_ids == b.output_ids
         gap = (torch.tensor(a.output_token_logprobs) - torch.tensor(b.output_token_logprobs)).abs().max()
