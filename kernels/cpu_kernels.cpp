@@ -57,9 +57,7 @@ inline float exp_approx(float x) {
   p = p * r + 1.f;
   p = p * r + 1.f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
+  return p * __builtin_bit_cast(float, bits);  // 2^n
 }
 
 // out = weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype), row by row.
@@ -194,6 +192,42 @@ void paged_decode_attention_any(const T* q, const int64_t* q_rows, const T* k_bl
   else run(paged_decode_attention<T, 0>);
 }
 
+// Greedy decoding of each row of logits [R, V]: the first index of the row's maximum, and its
+// log-prob under log_softmax of the row in float32 (= -log(sum(exp(x - max))), since x - max is 0
+// there), as the eager sampler computes it up to the order of the sum.
+template <typename T>
+void greedy(const T* logits, int64_t rows, int64_t vocab, int64_t* tokens, float* logprobs) {
+  constexpr int64_t chunk = 256;  // vectorised passes over chunks; chunk results combined in order
+#pragma omp parallel for if (rows > 1)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* x = logits + r * vocab;
+    float top = -INFINITY;
+    int64_t top_chunk = 0;
+    for (int64_t start = 0; start < vocab; start += chunk) {
+      const int64_t end = start + chunk < vocab ? start + chunk : vocab;
+      float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+      for (int64_t i = start; i < end; ++i) m = load(x, i) > m ? load(x, i) : m;
+      if (m > top) {  // strictly: the first chunk holding the maximum
+        top = m;
+        top_chunk = start;
+      }
+    }
+    int64_t best = top_chunk;
+    while (best < vocab - 1 && !(load(x, best) == top)) ++best;  // the first maximum, as torch.argmax
+    double total = 0.0;  // float32 within a chunk, double across: ~1e-6 of log_softmax on 49k logits
+    for (int64_t start = 0; start < vocab; start += chunk) {
+      const int64_t end = start + chunk < vocab ? start + chunk : vocab;
+      float part = 0.f;
+#pragma omp simd reduction(+ : part)
+      for (int64_t i = start; i < end; ++i) part += exp_approx(load(x, i) - top);
+      total += part;
+    }
+    tokens[r] = best;
+    logprobs[r] = static_cast<float>(-std::log(total));
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -231,6 +265,11 @@ void miles_paged_decode_attention(int dtype, const void* q, const int64_t* q_row
                            static_cast<const uint16_t*>(v_blocks), tables, table_width, lengths,
                            static_cast<uint16_t*>(out), out_rows, num_requests, num_heads, num_kv_heads,
                            head_dim, num_blocks, block_size, scale);
+}
+
+void miles_greedy(int dtype, const void* logits, int64_t rows, int64_t vocab, int64_t* tokens, float* logprobs) {
+  if (dtype == 0) greedy(static_cast<const float*>(logits), rows, vocab, tokens, logprobs);
+  else greedy(static_cast<const uint16_t*>(logits), rows, vocab, tokens, logprobs);
 }
 
 }  // extern "C"

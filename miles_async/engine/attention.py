@@ -5,15 +5,23 @@ new tokens (a decoding request's one token, a prefilling request's prompt chunk)
 absolute position. `build_plan` turns the step's schedule into index tensors once; then, in
 every layer, `PagedAttention`
   1. writes the new k/v into their slots (one `index_copy_` each),
-  2. for each group of requests, gathers their blocks into a padded [K, G, S] layout with one
-     `index_select` into a reused buffer (the blocks are kv-head major, kv_cache.py, so each kv
-     head's keys come out contiguous), and attends over it with a causal mask built from
-     positions (query at position p sees keys 0..p): on a CPU, decoding groups (and bf16 chunks
-     of up to `MATMUL_MAX_QUERIES` queries) by two batched matmuls per group (`matmul_attention`),
-     the rest by one `scaled_dot_product_attention` call,
+  2. for each group of requests: a decoding group on a CPU with the fused kernels attends in one
+     kernel call over the blocks in place (below); any other group is gathered into a padded
+     [K, G, S] layout with one `index_select` into a reused buffer (the blocks are kv-head major,
+     kv_cache.py, so each kv head's keys come out contiguous) and attended with a causal mask
+     built from positions (query at position p sees keys 0..p): on a CPU, decoding groups and
+     bf16 chunks of up to `MATMUL_MAX_QUERIES` queries by two batched matmuls
+     (`matmul_attention`), the rest by one `scaled_dot_product_attention` call,
   3. writes the group's outputs back to their packed rows.
 
-Why matmuls for decoding on a CPU: torch 2.13's SDPA CPU kernel is slow for one query per row,
+Decoding groups on a CPU whose fused kernels built (kernels/cpu_kernels.py) skip the gather: one
+kernel call per layer reads each request's keys and values in place through its block table.
+Measured here, SmolLM2's heads, bf16, one thread, fused vs gather + matmuls: 1 request x 80
+positions 11 vs 71 us, 64 x 80 427 vs 358, 256 x 320 10.6 vs 11.5 ms; on two threads the kernel
+runs twice as fast and the gathered path does not; over whole workloads the kernel won at every
+size (the bench model's, one thread, bf16: 4,780 tokens/s against 4,355 with a size cut-off).
+
+Why matmuls otherwise: torch 2.13's SDPA CPU kernel is slow for one query per row,
 in bf16 most of all. Measured here (one core, SmolLM2's 9 query and 3 kv heads, 64 requests x 80
 positions, per layer): SDPA 3.7 ms in bf16 and 0.58 ms in fp32, the two matmuls 0.29 ms in bf16;
 SmolLM2's whole decode step at batch 64 in bf16 went from 215 ms to 82 ms with the head-major
@@ -54,14 +62,6 @@ MIN_BUCKET_POSITIONS = 2048
 # (torch 2.13's SDPA CPU kernel in bf16 took 3.7 ms where two bmm per kv head took 0.7, for 64
 # decoding requests x 80 positions of SmolLM2's 9 heads; at one 1024-token chunk SDPA was faster).
 MATMUL_MAX_QUERIES = 256
-# Decoding groups attend by the fused kernel over the blocks in place (kernels/cpu_kernels.py,
-# parallel over requests x kv heads), except in bf16 on one thread when they hold more than this
-# many padded key positions in all (requests x positions): those gather and multiply, where
-# oneDNN's bf16 batched matmuls keep up with the kernel's fp32 loops. Measured here, SmolLM2's
-# heads, one thread, fused vs gathered: bf16, 1 request x 80 positions 12 vs 71 us, 4 x 320 126 vs
-# 131, 16 x 320 506 vs 320, 64 x 80 512 vs 367; fp32, 64 x 80 503 vs 640 and 256 x 320 18 vs 21 ms;
-# on two threads the kernel doubles its speed and the gathered path does not.
-FUSED_MAX_POSITIONS = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +195,6 @@ class PagedAttention:
         self._workspace = workspace
         self._batch_invariant = batch_invariant
         self._fused = fused
-        self._threads = torch.get_num_threads() if fused else 1
 
     def __call__(self, layer_idx: int, q_BTNH: torch.Tensor, k_BTKH: torch.Tensor, v_BTKH: torch.Tensor,
                  positions_BT: torch.Tensor) -> torch.Tensor:
@@ -210,9 +209,7 @@ class PagedAttention:
         gqa = q_TNH.shape[1] != num_kv_heads
         for group in self._plan.groups:
             num_rows, num_positions = group.q_index_GQ.shape[0], group.num_positions
-            if (self._fused and group.lengths_G is not None
-                    and (self._threads > 1 or q_TNH.dtype != torch.bfloat16
-                         or num_rows * num_positions <= FUSED_MAX_POSITIONS)):  # no gather
+            if self._fused and group.lengths_G is not None:  # a decoding group: no gather, one call
                 cpu_kernels.paged_decode_attention(
                     q_TNH, group.q_index_GQ.view(-1), k_blocks, v_blocks, group.blocks_F.view(num_rows, -1),
                     group.lengths_G, out_TNH, group.out_index_V, head_dim ** -0.5)

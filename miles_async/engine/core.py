@@ -805,7 +805,7 @@ class Engine:
                 return _StepResult([], [], [], scored_logprobs, scored_top)
             picked = [step.requests[i] for i in rows]
             tokens_R, logprobs_R = sample(logits_RV, [r.params for r in picked], [r.generator for r in picked],
-                                          self._shared_generator)
+                                          self._shared_generator, fused=self._fused)
             return _StepResult(tokens_R.tolist(), logprobs_R.tolist(), self._output_top(logits_RV, picked),
                                scored_logprobs, scored_top)
 

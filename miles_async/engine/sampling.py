@@ -28,6 +28,8 @@ from typing import Any
 import msgspec
 import torch
 
+from miles_async.kernels import cpu_kernels
+
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 # Fields SGLang accepts that this engine implements only at their neutral value: a request that
 # sets one to anything else gets a 400 rather than silently different outputs.
@@ -143,13 +145,20 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     shared_generator: torch.Generator,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row; return (token_ids_R, logprobs_R).
+
+    `fused=True` (a CPU engine with the fused kernels, kernels/cpu_kernels.py): rows that are all
+    greedy take argmax and log-prob in one pass over the logits as they are (bf16 too), equal to
+    the eager path's up to the order of a float32 sum.
 
     Rows with a generator of their own draw their noise from it; the others share one draw from
     `shared_generator`. Sampling uses the exponential race (argmax of p / E, E ~ Exp(1)), which
     draws exactly from p and lets the noise be made per row.
     """
+    if fused and params and all(p.greedy for p in params):
+        return cpu_kernels.greedy(logits_RV)
     logits_RV = logits_RV.float()
     device = logits_RV.device
     num_rows = logits_RV.shape[0]

@@ -101,3 +101,17 @@ def test_without_a_compiler_the_kernels_say_why_and_the_engine_runs_plain_torch(
     assert done.returncode == 0, done.stderr
     assert "/bin/false failed" in done.stdout
     assert "fused CPU kernels unavailable" in done.stderr  # said once, in the log
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_picks_the_first_maximum_with_the_log_softmax_log_prob(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 5003, generator=gen) * 5).to(dtype)  # a vocabulary not a multiple of a chunk
+    logits[1, 100] = logits[1, 4000] = logits[1].max() + 1  # a tie: the first index wins, as torch.argmax
+    logits[2, -1] = logits[2].max() + 1  # the maximum in the last, partial chunk
+    tokens, logprobs = cpu_kernels.greedy(logits)
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    best = expected.argmax(dim=-1)
+    assert torch.equal(tokens, best) and tokens[1] == 100 and tokens[2] == 5002
+    assert float((logprobs - expected.gather(1, best[:, None])[:, 0]).abs().max()) < 2e-5

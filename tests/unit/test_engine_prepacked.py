@@ -53,7 +53,7 @@ def engine(folder: Path, dtype: str, fast: bool) -> Engine:
         kv_cache_mib=8, dtype=dtype, prepack_weights=fast, fused_cpu_kernels=fast))  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("threads", [1, 2])  # one thread: small decoding groups only take the fused kernel
+@pytest.mark.parametrize("threads", [1, 2])  # the fused kernels serial and on an OpenMP team
 @pytest.mark.parametrize(("dtype", "tolerance"), [("float32", 1e-5), ("bfloat16", 0.02)])
 def test_fast_engine_generates_what_the_plain_engine_does(folder: Path, dtype: str, tolerance: float,
                                                           threads: int) -> None:
