@@ -97,7 +97,7 @@ def _load() -> ctypes.CDLL:
     target = cache_dir() / f"cpu_kernels-{key}.so"
     if not target.exists():
         _build(compiler, target)
-    lib = ctypes.CDLL(str(target))
+    lib = ctypes.CDLL(str(target))  # releases the GIL during a call, as torch ops do
     if lib.miles_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{target} has ABI version {lib.miles_abi_version()}, expected {ABI_VERSION}")
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
