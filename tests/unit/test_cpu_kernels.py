@@ -1,7 +1,8 @@
 """The fused CPU kernels (kernels/cpu_kernels.py) against the eager torch code they replace.
 
-Stated tolerances: RMSNorm and rotary bit for bit in bf16 (every intermediate rounded where the
-eager code rounds) and within 1e-5 in fp32 (a sum in another order); decode attention over the
+Stated tolerances: rotary bit for bit in bf16 (every intermediate rounded where the eager code
+rounds), RMSNorm within one bf16 unit in the last place (bit for bit here), both within 1e-5 in
+fp32 (a sum in another order); decode attention over the
 paged blocks within 1e-5 (fp32) and 0.01 (bf16 output rounding) of SDPA over the same keys,
 gathered. Without a compiler the engine falls back to its torch ops, which a subprocess checks.
 """
@@ -28,7 +29,9 @@ DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 0.0)]
 
 
 @needs_kernels
-@pytest.mark.parametrize(("dtype", "tolerance"), DTYPES)
+# bf16: one unit in the last place at most (identical here; the fp32 mean of the squares is a sum
+# whose order follows the CPU's vector width, so on another CPU an output can round the other way)
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2**-7)])
 def test_rms_norm_matches_the_module(dtype: torch.dtype, tolerance: float) -> None:
     gen = torch.Generator().manual_seed(0)
     norm = RMSNorm(96, 1e-6).to(dtype)
@@ -37,7 +40,7 @@ def test_rms_norm_matches_the_module(dtype: torch.dtype, tolerance: float) -> No
         x = (torch.randn(2, 7, 96, generator=gen) * 4).to(dtype)
         fused, eager = cpu_kernels.rms_norm(x, norm.weight, norm.eps), norm(x)
     assert fused.dtype == dtype and fused.shape == x.shape
-    assert float((fused.float() - eager.float()).abs().max()) <= tolerance * float(eager.float().abs().max())
+    assert torch.allclose(fused.float(), eager.float(), rtol=tolerance, atol=0.0)
 
 
 @needs_kernels

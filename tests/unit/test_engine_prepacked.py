@@ -74,10 +74,18 @@ def test_fast_engine_generates_what_the_plain_engine_does(folder: Path, dtype: s
     assert all(p is not None for p in packed)  # the fast path really ran
     assert all(getattr(m, "prepacked", None) is None and getattr(m, "qkv_prepacked", None) is None
                for m in plain.model.modules())
+    # fp32: every greedy sequence identical. bf16: the two paths round differently (attention
+    # scores kept in fp32 by the kernel, rounded to bf16 by the matmuls), so a near-tie may flip a
+    # token on another CPU's kernels: at most one sequence of 12 may part (none did here), and
+    # log-probs agree over the tokens the two share.
+    parted = 0
     for a, b in zip(fast_outs, plain_outs):
-        assert a.output_ids == b.output_ids
-        gap = (torch.tensor(a.output_token_logprobs) - torch.tensor(b.output_token_logprobs)).abs().max()
-        assert float(gap) < tolerance
+        same = next((i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y), len(a.output_ids))
+        parted += same < len(a.output_ids)
+        shared = slice(0, same + 1)  # the first differing token's log-prob is still of the same context
+        gap = (torch.tensor(a.output_token_logprobs[shared]) - torch.tensor(b.output_token_logprobs[shared])).abs()
+        assert float(gap.max()) < tolerance
+    assert parted <= (1 if dtype == "bfloat16" else 0), f"{parted} of {len(fast_outs)} greedy sequences parted"
 
 
 def test_prepacked_copies_follow_a_weight_update(folder: Path, tmp_path: Path) -> None:
