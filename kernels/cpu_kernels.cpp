@@ -9,6 +9,7 @@
 // Threads: OpenMP, in the runtime torch itself loaded, so a call on the engine's compute thread
 // uses that thread's team and `torch.set_num_threads` applies.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>

@@ -6,11 +6,12 @@ kernels each replace a chain of them, per layer: RMSNorm (8 ops), rotary embeddi
 tensor), and decode attention, which also reads keys and values straight from the paged cache
 through each request's block table instead of gathering them into a padded copy first (the gather
 was 31% of the bench model's step time at 256 requests). Measured here, one thread, bf16:
-RMSNorm over 4 x 576, 16 -> 3.7 us; rotary of 4 x 9 x 64, 12 -> 3.5 us; attention, see
-engine/attention.py's FUSED_MAX_POSITIONS for where it wins. And greedy sampling: argmax and
-its log-prob in one pass over the logits, where the sampler made a float32 copy, a log_softmax and
-an argmax (11.5 ms of SmolLM2's 78 ms bf16 decode step at batch 64). A silu-and-multiply kernel was
-slower than torch's two vectorised ops (its exp did not vectorise) and was dropped.
+RMSNorm over 4 x 576, 16 -> 3.7 us; rotary of 4 x 9 x 64, 12 -> 3.5 us; attention against the
+gathered path, engine/attention.py's docstring. And greedy sampling: argmax and its log-prob in
+one pass over the logits, where the sampler made a float32 copy, a log_softmax and an argmax
+(11.5 ms of SmolLM2's 78 ms bf16 decode step at batch 64). A silu-and-multiply kernel was slower
+than torch's two vectorised ops (gate and up, views of one matmul's output, needed copies first)
+and was dropped.
 
 Numerics: the elementwise kernels round every intermediate to the tensor's dtype where the eager
 code does, so they match it up to the order of a sum (tests/unit/test_cpu_kernels.py states the
@@ -21,7 +22,7 @@ into `$MILES_ASYNC_CACHE/kernels` (default ~/.cache/miles-async/kernels), named 
 source, the compiler flags and the CPU's flags (it is built with -march=native, so a copy from
 another CPU model is never loaded). About 2 s; concurrent processes build under a lock and load
 the same file. Where there is no compiler or the build fails, `library()` returns None, says why
-once in the log, and the engine runs its torch ops instead (`available()` is False); set
+once in the log, and the engine runs its torch ops instead (`supports()` is False); set
 `MILES_ASYNC_CPU_KERNELS=0` to force that.
 
 The library links OpenMP by its soname, which resolves to the runtime torch already loaded, so
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -54,8 +56,6 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 ABI_VERSION = 1
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-_state: dict[str, object] = {}
 
 
 def _cpu_signature() -> str:
@@ -111,26 +111,27 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
+def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
+    """(the library, None), or (None, why not): tried once per process, the reason logged once."""
+    if os.environ.get("MILES_ASYNC_CPU_KERNELS", "1") == "0":
+        why = "MILES_ASYNC_CPU_KERNELS=0"
+    else:
+        try:
+            return _load(), None
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            why = f"{type(e).__name__}: {e}"
+    log.warning("fused CPU kernels unavailable, the engine runs plain torch ops instead: %s", why)
+    return None, why
+
+
 def library() -> ctypes.CDLL | None:
     """The compiled kernels (built on first use), or None where they cannot be built or are turned off."""
-    if "lib" not in _state:
-        lib, why = None, None
-        if os.environ.get("MILES_ASYNC_CPU_KERNELS", "1") == "0":
-            why = "MILES_ASYNC_CPU_KERNELS=0"
-        else:
-            try:
-                lib = _load()
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                why = f"{type(e).__name__}: {e}"
-        if why is not None:
-            log.warning("fused CPU kernels unavailable, the engine runs plain torch ops instead: %s", why)
-        _state["lib"], _state["why"] = lib, why
-    return _state["lib"]  # type: ignore[return-value]
+    return _loaded()[0]
 
 
 def unavailable_reason() -> str | None:
-    library()
-    return _state["why"]  # type: ignore[return-value]
+    return _loaded()[1]
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:

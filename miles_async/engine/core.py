@@ -123,10 +123,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # weight update; costs the weights' bytes once more. Off in batch-invariant mode, and where
     # this torch build or dtype cannot (then the plain path runs).
     prepack_weights: bool = True
-    # On a CPU, run RMSNorm, rotary embedding, SwiGLU's activation and decode attention (straight
-    # over the paged KV blocks, no gather) through fused kernels (kernels/cpu_kernels.py, compiled
-    # once per machine with the system's C++ compiler; without one, the plain torch ops run). Off
-    # in batch-invariant mode.
+    # On a CPU, run RMSNorm, rotary embedding, decode attention (straight over the paged KV
+    # blocks, no gather) and greedy sampling through fused kernels (kernels/cpu_kernels.py,
+    # compiled once per machine with the system's C++ compiler; without one, the plain torch ops
+    # run). Off in batch-invariant mode.
     fused_cpu_kernels: bool = True
     # Where the weights, the KV cache and the step's tensors live: "cpu", "cuda" (the process's
     # current GPU), "cuda:N", or "auto" ("cuda" when the engine's process sees a GPU, else "cpu";

@@ -266,48 +266,39 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.set_batch_invariant(batch_invariant)
 
-    def prepack_weights(self, enabled: bool = True) -> int:
+    def prepack_weights(self, enabled: bool = True) -> None:
         """Give the linear layers prepacked copies of their weights (`kernels.onednn`), made from the
-        weights as they are now, or drop the copies (`enabled=False`); returns the bytes the copies
-        hold. Attention's q, k and v projections get one copy of the three stacked (one matmul),
-        as do an MLP's gate and up projections; every other linear layer a copy of its own.
-        Inference only (no gradient flows through a copy), and made again after any change to the
-        weights: the embedded engine does both. Raises ValueError where the weights' dtype and
-        device cannot be prepacked (`onednn.supported`)."""
+        weights as they are now, or drop the copies (`enabled=False`). Attention's q, k and v
+        projections get one copy of the three stacked (one matmul), as do an MLP's gate and up
+        projections; o_proj, down_proj and lm_head a copy each. Inference only (no gradient flows
+        through a copy), and made again after any change to the weights: the embedded engine does
+        both. Raises ValueError where the weights' dtype and device cannot be prepacked."""
         weight = self.lm_head.weight
         if enabled and not onednn.supported(weight.dtype, weight.device):
             raise ValueError(f"cannot prepack {weight.dtype} weights on {weight.device} with this torch build")
-        total = 0
 
-        def stacked(*layers: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-            nonlocal total
+        def pack(*layers: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+            """(packed weight, bias) of the layers' outputs stacked, or None when disabled."""
             if not enabled:
                 return None
             with torch.no_grad():
-                weight = torch.cat([layer.weight for layer in layers])
-                biases = [layer.bias for layer in layers]
-                bias = None if all(b is None for b in biases) else torch.cat([
-                    b if b is not None else layer.weight.new_zeros(layer.out_features)
-                    for b, layer in zip(biases, layers)])
-            total += weight.numel() * weight.element_size()
-            return onednn.prepack(weight), bias
+                stacked = torch.cat([layer.weight for layer in layers])
+                bias = None if all(layer.bias is None for layer in layers) else torch.cat([
+                    layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features)
+                    for layer in layers])
+            return onednn.prepack(stacked), bias
 
-        grouped: set[int] = set()
+        def pack_one(layer: Linear) -> None:  # a Linear keeps its own bias: its weight's copy only
+            layer.prepacked = onednn.prepack(layer.weight) if enabled else None
+
         for module in self.modules():
             if isinstance(module, Attention):
-                module.qkv_prepacked = stacked(module.q_proj, module.k_proj, module.v_proj)
-                grouped.update(id(m) for m in (module.q_proj, module.k_proj, module.v_proj))
+                module.qkv_prepacked = pack(module.q_proj, module.k_proj, module.v_proj)
+                pack_one(module.o_proj)
             elif isinstance(module, MLP):
-                module.gate_up_prepacked = stacked(module.gate_proj, module.up_proj)
-                grouped.update(id(m) for m in (module.gate_proj, module.up_proj))
-        for module in self.modules():
-            if isinstance(module, Linear):
-                if not enabled or id(module) in grouped:
-                    module.prepacked = None
-                else:
-                    module.prepacked = onednn.prepack(module.weight)
-                    total += module.weight.numel() * module.weight.element_size()
-        return total
+                module.gate_up_prepacked = pack(module.gate_proj, module.up_proj)
+                pack_one(module.down_proj)
+        pack_one(self.lm_head)
 
     def use_cpu_kernels(self, enabled: bool = True) -> None:
         """Run RMSNorm and rotary embedding through the fused CPU kernels
