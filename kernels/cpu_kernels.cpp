@@ -10,6 +10,10 @@
 // uses that thread's team and `torch.set_num_threads` applies.
 
 #include <algorithm>
+#include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -100,19 +104,20 @@ void rotary(const T* x, const T* cos, const T* sin, T* out, int64_t tokens, int6
   }
 }
 
-// Decode attention straight over the paged cache: request g's one query (row q_rows[g] of q
-// [*, N, H]) attends to its first lengths[g] positions, read from blocks [K, num_blocks,
-// block_size, H] through its block table (row g of tables [G, table_width]); the output goes to
-// row out_rows[g] of out [*, N, H]. Scores, softmax and the weighted sum in float32. Query head
-// n reads kv head n / (N / K).
+// Attention straight over the paged cache, one query row at a time: query g (row q_rows[g] of q
+// [*, N, H]) attends to the first lengths[g] positions of its sequence, read from blocks [K,
+// num_blocks, block_size, H] through its block table (row g of tables [G, table_width]); the
+// output goes to row out_rows[g] of out [*, N, H]. A decoding request is one such row; a prompt
+// chunk is one row per token, each with its own length (its position + 1: causal, no mask, no
+// padding). Scores, softmax and the weighted sum in float32. Query head n reads kv head n / (N / K).
+// This is the portable version; paged_attention_avx512 below runs where the CPU has AVX-512 BF16.
 // HD > 0: the head dim as a compile-time constant (64 and 128 are instantiated), so the short
 // loops over it unroll fully; HD == 0 takes it at run time.
 template <typename T, int HD>
-void paged_decode_attention(const T* q, const int64_t* q_rows, const T* k_blocks, const T* v_blocks,
-                            const int64_t* tables, int64_t table_width, const int64_t* lengths, T* out,
-                            const int64_t* out_rows, int64_t num_requests, int64_t num_heads,
-                            int64_t num_kv_heads, int64_t head_dim_arg, int64_t num_blocks, int64_t block_size,
-                            float scale) {
+void paged_attention(const T* q, const int64_t* q_rows, const T* k_blocks, const T* v_blocks, const int64_t* tables,
+                     int64_t table_width, const int64_t* lengths, T* out, const int64_t* out_rows, int64_t num_requests,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim_arg, int64_t num_blocks,
+                     int64_t block_size, float scale) {
   const int64_t head_dim = HD > 0 ? HD : head_dim_arg;
   const int64_t group = num_heads / num_kv_heads;
 #pragma omp parallel
@@ -131,16 +136,22 @@ void paged_decode_attention(const T* q, const int64_t* q_rows, const T* k_blocks
       }
       scores.resize(group * length);
       float* __restrict__ sc = scores.data();
-      for (int64_t p = 0; p < length; ++p) {
-        const T* kp = kv_k + (table[p / block_size] * block_size + p % block_size) * head_dim;
+      const int64_t num_table_blocks = (length + block_size - 1) / block_size;
+      for (int64_t b = 0; b < num_table_blocks; ++b) {
+        const T* kb = kv_k + table[b] * block_size * head_dim;
+        const int64_t count = std::min(block_size, length - b * block_size);
+        for (int64_t j = 0; j < count; ++j) {
+          const T* kp = kb + j * head_dim;
+          const int64_t p = b * block_size + j;
 #pragma omp simd
-        for (int64_t i = 0; i < head_dim; ++i) row[i] = load(kp, i);
-        for (int64_t r = 0; r < group; ++r) {
-          const float* __restrict__ qr = qf.data() + r * head_dim;
-          float dot = 0.f;
+          for (int64_t i = 0; i < head_dim; ++i) row[i] = load(kp, i);
+          for (int64_t r = 0; r < group; ++r) {
+            const float* __restrict__ qr = qf.data() + r * head_dim;
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < head_dim; ++i) dot = std::fma(qr[i], row[i], dot);
-          sc[r * length + p] = dot;
+            for (int64_t i = 0; i < head_dim; ++i) dot = std::fma(qr[i], row[i], dot);
+            sc[r * length + p] = dot;
+          }
         }
       }
       for (int64_t r = 0; r < group; ++r) {
@@ -159,15 +170,20 @@ void paged_decode_attention(const T* q, const int64_t* q_rows, const T* k_blocks
         for (int64_t p = 0; p < length; ++p) sr[p] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = 0; p < length; ++p) {
-        const T* vp = kv_v + (table[p / block_size] * block_size + p % block_size) * head_dim;
+      for (int64_t b = 0; b < num_table_blocks; ++b) {
+        const T* vb = kv_v + table[b] * block_size * head_dim;
+        const int64_t count = std::min(block_size, length - b * block_size);
+        for (int64_t j = 0; j < count; ++j) {
+          const T* vp = vb + j * head_dim;
+          const int64_t p = b * block_size + j;
 #pragma omp simd
-        for (int64_t i = 0; i < head_dim; ++i) row[i] = load(vp, i);
-        for (int64_t r = 0; r < group; ++r) {
-          const float w = sc[r * length + p];
-          float* __restrict__ ar = acc.data() + r * head_dim;
+          for (int64_t i = 0; i < head_dim; ++i) row[i] = load(vp, i);
+          for (int64_t r = 0; r < group; ++r) {
+            const float w = sc[r * length + p];
+            float* __restrict__ ar = acc.data() + r * head_dim;
 #pragma omp simd
-          for (int64_t i = 0; i < head_dim; ++i) ar[i] = std::fma(w, row[i], ar[i]);
+            for (int64_t i = 0; i < head_dim; ++i) ar[i] = std::fma(w, row[i], ar[i]);
+          }
         }
       }
       for (int64_t r = 0; r < group; ++r) {
@@ -178,19 +194,140 @@ void paged_decode_attention(const T* q, const int64_t* q_rows, const T* k_blocks
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// The same kernel in AVX-512 (the build is -march=native: CPUs with avx512_bf16), for head dims
+// that are multiples of 32. Scores: bf16 rows by vdpbf16ps (products exact in float32) or float32
+// rows by FMAs, sixteen positions' partial sums reduced together; the weighted sum of the values
+// in float32 FMAs.
+
+inline __m512 widen16(const uint16_t* p) {  // 16 bf16 -> float32, exact
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+
+// Lane j of the result: the sum of v[j]'s 16 lanes (a transposing tree of adds).
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int k = 0; k < 8; ++k)
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44), _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+  for (int k = 0; k < 4; ++k)
+    x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0x88), _mm512_shuffle_f32x4(w[2 * k], w[2 * k + 1], 0xDD));
+  for (int k = 0; k < 2; ++k)
+    y[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0x44), _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0xEE));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  // z's lane 4i + e holds v[4e + i]'s sum
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+// One query head's row, held in registers for the dot products with key rows.
+template <int HD> struct QueryRowBf16 {
+  __m512bh c[HD / 32];
+  explicit QueryRowBf16(const uint16_t* q) {
+    for (int i = 0; i < HD / 32; ++i) c[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
+  }
+  __m512 dot(const uint16_t* k) const {  // 16 partial sums of q . k
+    __m512 d = _mm512_setzero_ps();
+    for (int i = 0; i < HD / 32; ++i) d = _mm512_dpbf16_ps(d, c[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
+    return d;
+  }
+};
+template <int HD> struct QueryRowF32 {
+  __m512 c[HD / 16];
+  explicit QueryRowF32(const float* q) {
+    for (int i = 0; i < HD / 16; ++i) c[i] = _mm512_loadu_ps(q + 16 * i);
+  }
+  __m512 dot(const float* k) const {
+    __m512 d = _mm512_mul_ps(c[0], _mm512_loadu_ps(k));
+    for (int i = 1; i < HD / 16; ++i) d = _mm512_fmadd_ps(c[i], _mm512_loadu_ps(k + 16 * i), d);
+    return d;
+  }
+};
+
+template <typename T, int HD>
+void paged_attention_avx512(const T* q, const int64_t* q_rows, const T* k_blocks, const T* v_blocks,
+                            const int64_t* tables, int64_t table_width, const int64_t* lengths, T* out,
+                            const int64_t* out_rows, int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t num_blocks, int64_t block_size, float scale) {
+  using Query = std::conditional_t<std::is_same_v<T, float>, QueryRowF32<HD>, QueryRowBf16<HD>>;
+  const int64_t group = num_heads / num_kv_heads, num_jobs = num_requests * num_kv_heads;
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+    std::vector<const T*> k_rows, v_rows;
+#pragma omp for schedule(dynamic)
+    for (int64_t job = 0; job < num_jobs; ++job) {
+      const int64_t g = job / num_kv_heads, kv = job % num_kv_heads, length = lengths[g];
+      const int64_t* table = tables + g * table_width;
+      const T* kv_k = k_blocks + kv * num_blocks * block_size * HD;
+      const T* kv_v = v_blocks + kv * num_blocks * block_size * HD;
+      const int64_t padded = (length + 15) / 16 * 16;
+      k_rows.resize(padded);
+      v_rows.resize(padded);
+      for (int64_t p = 0, b = 0; p < length; ++b) {
+        for (int64_t j = 0; j < block_size && p < length; ++j, ++p) {
+          k_rows[p] = kv_k + (table[b] * block_size + j) * HD;
+          v_rows[p] = kv_v + (table[b] * block_size + j) * HD;
+        }
+      }
+      for (int64_t p = length; p < padded; ++p) k_rows[p] = k_rows[0];  // padding: computed, never used
+      scores.resize(group * padded);
+      for (int64_t r = 0; r < group; ++r) {
+        const Query qr(q + (q_rows[g] * num_heads + kv * group + r) * HD);
+        float* sr = scores.data() + r * padded;
+        const __m512 scale16 = _mm512_set1_ps(scale);
+        for (int64_t p0 = 0; p0 < padded; p0 += 16) {
+          __m512 part[16];
+          for (int t = 0; t < 16; ++t) part[t] = qr.dot(k_rows[p0 + t]);
+          _mm512_storeu_ps(sr + p0, _mm512_mul_ps(sum_lanes16(part), scale16));
+        }
+        float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+        for (int64_t p = 0; p < length; ++p) top = sr[p] > top ? sr[p] : top;
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t p = 0; p < length; ++p) {
+          sr[p] = exp_approx(sr[p] - top);
+          total += sr[p];
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / total);
+        __m512 acc[HD / 16];
+        for (int i = 0; i < HD / 16; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < length; ++p) {
+          const __m512 w = _mm512_set1_ps(sr[p]);
+          for (int i = 0; i < HD / 16; ++i) acc[i] = _mm512_fmadd_ps(w, widen16(v_rows[p] + 16 * i), acc[i]);
+        }
+        alignas(64) float result[HD];
+        for (int i = 0; i < HD / 16; ++i) _mm512_store_ps(result + 16 * i, _mm512_mul_ps(acc[i], inv));
+        T* ov = out + (out_rows[g] * num_heads + kv * group + r) * HD;
+        for (int i = 0; i < HD; ++i) store(ov, i, result[i]);
+      }
+    }
+  }
+}
+#endif
+
 template <typename T>
-void paged_decode_attention_any(const T* q, const int64_t* q_rows, const T* k_blocks, const T* v_blocks,
-                                const int64_t* tables, int64_t table_width, const int64_t* lengths, T* out,
-                                const int64_t* out_rows, int64_t num_requests, int64_t num_heads,
-                                int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size,
-                                float scale) {
+void paged_attention_any(const T* q, const int64_t* q_rows, const T* k_blocks, const T* v_blocks, const int64_t* tables,
+                         int64_t table_width, const int64_t* lengths, T* out, const int64_t* out_rows,
+                         int64_t num_requests, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t num_blocks, int64_t block_size, float scale) {
   auto run = [&](auto kernel) {
     kernel(q, q_rows, k_blocks, v_blocks, tables, table_width, lengths, out, out_rows, num_requests, num_heads,
            num_kv_heads, head_dim, num_blocks, block_size, scale);
   };
-  if (head_dim == 64) run(paged_decode_attention<T, 64>);
-  else if (head_dim == 128) run(paged_decode_attention<T, 128>);
-  else run(paged_decode_attention<T, 0>);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  auto run_avx = [&](auto kernel) {
+    kernel(q, q_rows, k_blocks, v_blocks, tables, table_width, lengths, out, out_rows, num_requests, num_heads,
+           num_kv_heads, num_blocks, block_size, scale);
+  };
+  if (head_dim == 64) return run_avx(paged_attention_avx512<T, 64>);
+  if (head_dim == 128) return run_avx(paged_attention_avx512<T, 128>);
+#endif
+  if (head_dim == 64) run(paged_attention<T, 64>);
+  else if (head_dim == 128) run(paged_attention<T, 128>);
+  else run(paged_attention<T, 0>);
 }
 
 // Greedy decoding of each row of logits [R, V]: the first index of the row's maximum, and its
@@ -233,7 +370,7 @@ void greedy(const T* logits, int64_t rows, int64_t vocab, int64_t* tokens, float
 
 extern "C" {
 
-int miles_abi_version() { return 1; }
+int miles_abi_version() { return 2; }
 
 void miles_rms_norm(int dtype, const void* x, const void* weight, void* out, int64_t rows, int64_t width,
                     float eps) {
@@ -251,18 +388,18 @@ void miles_rotary(int dtype, const void* x, const void* cos, const void* sin, vo
               static_cast<const uint16_t*>(sin), static_cast<uint16_t*>(out), tokens, heads, head_dim);
 }
 
-void miles_paged_decode_attention(int dtype, const void* q, const int64_t* q_rows, const void* k_blocks,
+void miles_paged_attention(int dtype, const void* q, const int64_t* q_rows, const void* k_blocks,
                                   const void* v_blocks, const int64_t* tables, int64_t table_width,
                                   const int64_t* lengths, void* out, const int64_t* out_rows,
                                   int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
                                   int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale) {
   if (dtype == 0)
-    paged_decode_attention_any(static_cast<const float*>(q), q_rows, static_cast<const float*>(k_blocks),
+    paged_attention_any(static_cast<const float*>(q), q_rows, static_cast<const float*>(k_blocks),
                            static_cast<const float*>(v_blocks), tables, table_width, lengths,
                            static_cast<float*>(out), out_rows, num_requests, num_heads, num_kv_heads,
                            head_dim, num_blocks, block_size, scale);
   else
-    paged_decode_attention_any(static_cast<const uint16_t*>(q), q_rows, static_cast<const uint16_t*>(k_blocks),
+    paged_attention_any(static_cast<const uint16_t*>(q), q_rows, static_cast<const uint16_t*>(k_blocks),
                            static_cast<const uint16_t*>(v_blocks), tables, table_width, lengths,
                            static_cast<uint16_t*>(out), out_rows, num_requests, num_heads, num_kv_heads,
                            head_dim, num_blocks, block_size, scale);

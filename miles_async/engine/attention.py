@@ -5,35 +5,39 @@ new tokens (a decoding request's one token, a prefilling request's prompt chunk)
 absolute position. `build_plan` turns the step's schedule into index tensors once; then, in
 every layer, `PagedAttention`
   1. writes the new k/v into their slots (one `index_copy_` each),
-  2. for each group of requests: a decoding group on a CPU with the fused kernels attends in one
-     kernel call over the blocks in place (below); any other group is gathered into a padded
+  2. on a CPU whose fused kernels built (kernels/cpu_kernels.py; `build_plan(per_token=True)`):
+     attends every query of the step in one kernel call, each token a row of its own that reads
+     its request's first position + 1 keys and values in place through the block table: causal
+     without a mask, nothing gathered, nothing padded, decoding and prefilling alike;
+  3. elsewhere, for each group of requests: gathers the group's keys and values into a padded
      [K, G, S] layout with one `index_select` into a reused buffer (the blocks are kv-head major,
-     kv_cache.py, so each kv head's keys come out contiguous) and attended with a causal mask
+     kv_cache.py, so each kv head's keys come out contiguous) and attends with a causal mask
      built from positions (query at position p sees keys 0..p): on a CPU, decoding groups and
      bf16 chunks of up to `MATMUL_MAX_QUERIES` queries by two batched matmuls
-     (`matmul_attention`), the rest by one `scaled_dot_product_attention` call,
-  3. writes the group's outputs back to their packed rows.
+     (`matmul_attention`), the rest by one `scaled_dot_product_attention` call; then writes the
+     group's outputs back to their packed rows.
 
-Decoding groups on a CPU whose fused kernels built (kernels/cpu_kernels.py) skip the gather: one
-kernel call per layer reads each request's keys and values in place through its block table.
-Measured here, SmolLM2's heads, bf16, one thread, fused vs gather + matmuls: 1 request x 80
-positions 11 vs 71 us, 64 x 80 427 vs 358, 256 x 320 10.6 vs 11.5 ms; on two threads the kernel
-runs twice as fast and the gathered path does not; over whole workloads the kernel won at every
-size (the bench model's, one thread, bf16: 4,780 tokens/s against 4,355 with a size cut-off).
+The fused kernel against the gathered path, measured here (SmolLM2's 9 query and 3 kv heads,
+bf16, one thread, caches flushed before each call, the KV writes included; one layer): a prompt
+chunk of 12 x 86 tokens 2.7 ms against 7.6, one 1024-token prompt 14 against 34, 64 decoding
+requests x 80 positions 0.44 against 1.1, one 0.09 against 0.30. Over a whole workload (SmolLM2,
+`bench engine`'s 64 requests, bf16, one thread) the kernel's prompt steps took 3.7-3.9 s where
+the gathered path's took 4.5-6.1 s. Its scores stay in float32, where `matmul_attention` rounds
+them to bf16.
 
-Why matmuls otherwise: torch 2.13's SDPA CPU kernel is slow for one query per row,
+Why matmuls on the gathered path: torch 2.13's SDPA CPU kernel is slow for one query per row,
 in bf16 most of all. Measured here (one core, SmolLM2's 9 query and 3 kv heads, 64 requests x 80
 positions, per layer): SDPA 3.7 ms in bf16 and 0.58 ms in fp32, the two matmuls 0.29 ms in bf16;
 SmolLM2's whole decode step at batch 64 in bf16 went from 215 ms to 82 ms with the head-major
 blocks and bf16 KV. Tried and dropped: inductor (`torch.compile`) of gather + attention in one
 function, 18 ms against 12 ms eager for 256 requests x 320 positions of the bench model.
 
-Why groups, not one call: the padded layout costs memory traffic in proportion to G x S_max, and
-on CPU that traffic is the step's main cost (measured here: gathering 128 requests x 256
-positions of a 4-head, 64-dim layer takes ~1.4 ms into a reused buffer, ~10 ms into a fresh
-one). So decoding requests (one query each) are bucketed by length, a bucket closing when the
-next request is much shorter, and prefill chunks (many queries each) form their own group; a
-step with requests of similar lengths runs one call per layer.
+Why groups, not one call, on the gathered path: the padded layout costs memory traffic in
+proportion to G x S_max, and on CPU that traffic is the step's main cost (measured here:
+gathering 128 requests x 256 positions of a 4-head, 64-dim layer takes ~1.4 ms into a reused
+buffer, ~10 ms into a fresh one). So decoding requests (one query each) are bucketed by length,
+a bucket closing when the next request is much shorter, and prefill chunks (many queries each)
+form their own group; a step with requests of similar lengths runs one call per layer.
 
 Device: the plan's index tensors and masks are made on the KV cache's device (`build_plan`'s
 `device`), and nothing in a step reads a tensor back to the host, so on a GPU a layer's attention
@@ -84,20 +88,35 @@ class AttentionGroup:
     out_index_V: torch.Tensor  # packed rows of the real queries, in valid_GV order
     num_positions: int  # S
     q_pos_GQ: torch.Tensor  # each query's position (padding at 0), for the batch-invariant kernel
-    lengths_G: torch.Tensor | None  # a decoding group's (one query each) key counts, for the fused kernel
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRows:
+    """Every query of the step as a row of its own, for the fused CPU kernel: packed row t
+    attends to the first `lengths_T[t]` (its position + 1) keys of its request, through the
+    request's block table, row t of `tables_TW` (padded with block 0 to the widest)."""
+
+    rows_T: torch.Tensor  # 0..T-1: the query rows and the output rows
+    tables_TW: torch.Tensor
+    lengths_T: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
     positions_T: torch.Tensor
     write_slots_T: torch.Tensor
-    groups: tuple[AttentionGroup, ...]
+    groups: tuple[AttentionGroup, ...]  # empty when `tokens` is set
     last_rows: list[int]  # packed row of each chunk's last token
+    tokens: TokenRows | None = None  # set by build_plan(per_token=True)
 
 
 def build_plan(chunks: Sequence[ScheduledChunk], block_size: int,
-               device: torch.device | str = "cpu") -> StepPlan:
-    """Index tensors for one step, on `device` (the KV cache's); chunks are packed in the order given."""
+               device: torch.device | str = "cpu", *, per_token: bool = False) -> StepPlan:
+    """Index tensors for one step, on `device` (the KV cache's); chunks are packed in the order given.
+
+    `per_token=True` (a CPU engine whose fused kernels built) plans one row per query token for
+    `cpu_kernels.paged_attention`, decoding and prefilling alike; otherwise the queries go in
+    padded groups."""
     positions: list[int] = []
     slots: list[int] = []
     offsets: list[int] = []
@@ -106,18 +125,29 @@ def build_plan(chunks: Sequence[ScheduledChunk], block_size: int,
         for p in range(chunk.start, chunk.start + chunk.num_tokens):
             positions.append(p)
             slots.append(chunk.block_table[p // block_size] * block_size + p % block_size)
+    positions_T = torch.tensor(positions, dtype=torch.long, device=device)
+    last_rows = [offsets[i] + c.num_tokens - 1 for i, c in enumerate(chunks)]
+    write_slots_T = torch.tensor(slots, dtype=torch.long, device=device)
+    if per_token:
+        return StepPlan(positions_T=positions_T, write_slots_T=write_slots_T, groups=(), last_rows=last_rows,
+                        tokens=_token_rows(chunks, positions_T, block_size, device))
     decode = [i for i, c in enumerate(chunks) if c.num_tokens == 1]
     prefill = [i for i, c in enumerate(chunks) if c.num_tokens > 1]
     groups = [_group(chunks, offsets, rows, block_size, device)
               for rows in _decode_buckets(chunks, decode, block_size)]
     if prefill:
         groups.append(_group(chunks, offsets, prefill, block_size, device))
-    return StepPlan(
-        positions_T=torch.tensor(positions, dtype=torch.long, device=device),
-        write_slots_T=torch.tensor(slots, dtype=torch.long, device=device),
-        groups=tuple(groups),
-        last_rows=[offsets[i] + c.num_tokens - 1 for i, c in enumerate(chunks)],
-    )
+    return StepPlan(positions_T=positions_T, write_slots_T=write_slots_T, groups=tuple(groups), last_rows=last_rows)
+
+
+def _token_rows(chunks: Sequence[ScheduledChunk], positions_T: torch.Tensor, block_size: int,
+                device: torch.device | str) -> TokenRows:
+    width = max(-(-(c.start + c.num_tokens) // block_size) for c in chunks)
+    tables = [list(c.block_table[:width]) + [0] * (width - min(width, len(c.block_table))) for c in chunks]
+    counts = torch.tensor([c.num_tokens for c in chunks], device=device)
+    tables_TW = torch.tensor(tables, dtype=torch.long, device=device).repeat_interleave(counts, dim=0)
+    return TokenRows(rows_T=torch.arange(positions_T.numel(), device=device), tables_TW=tables_TW,
+                     lengths_T=positions_T + 1)
 
 
 def _decode_buckets(chunks: Sequence[ScheduledChunk], rows: list[int], block_size: int) -> list[list[int]]:
@@ -173,7 +203,6 @@ def _group(chunks: Sequence[ScheduledChunk], offsets: list[int], rows: list[int]
         out_index_V=torch.tensor(out_index, dtype=torch.long, device=device),
         num_positions=num_positions,
         q_pos_GQ=q_pos_GQ,
-        lengths_G=q_pos_GQ[:, 0] + 1 if num_queries == 1 else None,
     )
 
 
@@ -181,20 +210,19 @@ class PagedAttention:
     """`AttentionBackend` (miles_async.models.attention) over the engine's KV blocks, for one step.
 
     The model calls it once per layer with the packed row's q/k/v (rotary applied); batch size is
-    1. The gather buffers are the engine's, reused from step to step. `fused=True` (a CPU engine
-    whose fused kernels built, kernels/cpu_kernels.py) attends decoding groups by one kernel
-    call that reads the blocks in place, through the block tables: no gather. `batch_invariant=True`
+    1. The gather buffers are the engine's, reused from step to step. A plan with `tokens` (a CPU
+    engine whose fused kernels built) attends in one kernel call that reads the blocks in place,
+    through the block tables: no gather. `batch_invariant=True`
     (true on-policy mode) attends with `kernels.batch_invariant.attention` instead of SDPA: the
     gathered layout already holds each key at its position, as that kernel wants.
     """
 
     def __init__(self, cache: KVCache, plan: StepPlan, workspace: GatherWorkspace, *,
-                 batch_invariant: bool = False, fused: bool = False) -> None:
+                 batch_invariant: bool = False) -> None:
         self._cache = cache
         self._plan = plan
         self._workspace = workspace
         self._batch_invariant = batch_invariant
-        self._fused = fused
 
     def __call__(self, layer_idx: int, q_BTNH: torch.Tensor, k_BTKH: torch.Tensor, v_BTKH: torch.Tensor,
                  positions_BT: torch.Tensor) -> torch.Tensor:
@@ -206,14 +234,14 @@ class PagedAttention:
         k_blocks.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, k_TKH.transpose(0, 1).to(k_blocks.dtype))
         v_blocks.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, v_TKH.transpose(0, 1).to(v_blocks.dtype))
         out_TNH = torch.empty_like(q_TNH)
+        tokens = self._plan.tokens
+        if tokens is not None:  # the fused CPU kernel: every query in one call, the blocks read in place
+            cpu_kernels.paged_attention(q_TNH, tokens.rows_T, k_blocks, v_blocks, tokens.tables_TW, tokens.lengths_T,
+                                        out_TNH, tokens.rows_T, head_dim ** -0.5)
+            return out_TNH[None]
         gqa = q_TNH.shape[1] != num_kv_heads
         for group in self._plan.groups:
             num_rows, num_positions = group.q_index_GQ.shape[0], group.num_positions
-            if self._fused and group.lengths_G is not None:  # a decoding group: no gather, one call
-                cpu_kernels.paged_decode_attention(
-                    q_TNH, group.q_index_GQ.view(-1), k_blocks, v_blocks, group.blocks_F.view(num_rows, -1),
-                    group.lengths_G, out_TNH, group.out_index_V, head_dim ** -0.5)
-                continue
             k_KGSH = self._workspace.gather(0, k_blocks, group.blocks_F).view(
                 num_kv_heads, num_rows, num_positions, head_dim).to(q_TNH.dtype)
             v_KGSH = self._workspace.gather(1, v_blocks, group.blocks_F).view(

@@ -123,7 +123,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # weight update; costs the weights' bytes once more. Off in batch-invariant mode, and where
     # this torch build or dtype cannot (then the plain path runs).
     prepack_weights: bool = True
-    # On a CPU, run RMSNorm, rotary embedding, decode attention (straight over the paged KV
+    # On a CPU, run RMSNorm, rotary embedding, attention (straight over the paged KV
     # blocks, no gather) and greedy sampling through fused kernels (kernels/cpu_kernels.py,
     # compiled once per machine with the system's C++ compiler; without one, the plain torch ops
     # run). Off in batch-invariant mode.
@@ -784,7 +784,7 @@ class Engine:
             self.model.prepack_weights()
             self._prepacked_epoch = self._weights_epoch
         with torch.inference_mode():
-            plan = build_plan(step.chunks, self.cache.block_size, device)
+            plan = build_plan(step.chunks, self.cache.block_size, device, per_token=self._fused)
             rows = [i for i, s in enumerate(step.sampled) if s]
             rows_X = torch.tensor([plan.last_rows[i] for i in rows] + [row for _, row, _ in step.scored],
                                   dtype=torch.long, device=device)
@@ -831,8 +831,7 @@ class Engine:
         prefill chunk needs the vocabulary projection of its last token only, not of all of them.
         Any other model with the spec'd forward gets the full logits, then the rows.
         """
-        attn = PagedAttention(self.cache, plan, self._workspace, batch_invariant=self.config.batch_invariant,
-                              fused=self._fused)
+        attn = PagedAttention(self.cache, plan, self._workspace, batch_invariant=self.config.batch_invariant)
         positions_1T = plan.positions_T[None]
         backbone, lm_head = getattr(self.model, "model", None), getattr(self.model, "lm_head", None)
         if backbone is not None and lm_head is not None:

@@ -2,9 +2,8 @@
 
 Stated tolerances: rotary bit for bit in bf16 (every intermediate rounded where the eager code
 rounds), RMSNorm within one bf16 unit in the last place (bit for bit here), both within 1e-5 in
-fp32 (a sum in another order); decode attention over the
-paged blocks within 1e-5 (fp32) and 0.01 (bf16 output rounding) of SDPA over the same keys,
-gathered. Without a compiler the engine falls back to its torch ops, which a subprocess checks.
+fp32 (a sum in another order); attention over the paged blocks
+within 1e-5 (fp32) and 0.01 (bf16 output rounding) of SDPA over the same keys, gathered. Without a compiler the engine falls back to its torch ops, which a subprocess checks.
 """
 
 from __future__ import annotations
@@ -55,21 +54,30 @@ def test_rotary_matches_apply_rotary(dtype: torch.dtype, tolerance: float) -> No
 
 @needs_kernels
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 0.01)])
-def test_paged_decode_attention_matches_sdpa_over_the_gathered_keys(dtype: torch.dtype, tolerance: float) -> None:
+# head dim 16: the portable loops; 64 and 128: the AVX-512 kernel where the CPU has AVX-512 BF16
+# (else the portable ones again). 9 heads over 3 kv heads (GQA, SmolLM2's), 4 over 4 (MHA).
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"),
+                         [(6, 2, 16, 4), (9, 3, 64, 16), (4, 4, 128, 8)])
+def test_paged_attention_matches_sdpa_over_the_gathered_keys(dtype: torch.dtype, tolerance: float, num_heads: int,
+                                                             num_kv_heads: int, head_dim: int,
+                                                             block_size: int) -> None:
     gen = torch.Generator().manual_seed(2)
-    num_kv_heads, num_heads, head_dim, num_blocks, block_size, width = 2, 6, 16, 40, 4, 5
+    width, num_blocks = 5, 40
     k_blocks, v_blocks = (torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
                           for _ in range(2))
-    lengths = torch.tensor([1, 4, 5, 13, 20, 7])  # one key, a full block, just past one, the whole table
+    positions = width * block_size
+    # One key, a full block, just past one, 16 and 17 keys (the vector kernel's tiles), the whole
+    # table; rows 6-8 are a prompt chunk: one request's consecutive tokens over one table.
+    lengths = torch.tensor([1, block_size, block_size + 1, 16, 17, positions, 5, 6, 7])
     num_requests = lengths.numel()
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in range(num_requests)])
+    tables[7:] = tables[6]
     q = torch.randn(num_requests + 3, num_heads, head_dim, generator=gen).to(dtype)  # packed rows, some not ours
     q_rows = torch.randperm(num_requests + 3, generator=gen)[:num_requests]
     out_rows = torch.randperm(num_requests + 3, generator=gen)[:num_requests]
     out = torch.full_like(q, 7.0)
-    cpu_kernels.paged_decode_attention(q, q_rows, k_blocks, v_blocks, tables, lengths, out, out_rows, head_dim ** -0.5)
+    cpu_kernels.paged_attention(q, q_rows, k_blocks, v_blocks, tables, lengths, out, out_rows, head_dim ** -0.5)
 
-    positions = width * block_size
     k_KGSH = k_blocks[:, tables.flatten()].reshape(num_kv_heads, num_requests, positions, head_dim).float()
     v_KGSH = v_blocks[:, tables.flatten()].reshape(num_kv_heads, num_requests, positions, head_dim).float()
     sees = torch.arange(positions)[None, None, None] < lengths[:, None, None, None]

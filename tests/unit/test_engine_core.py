@@ -15,6 +15,7 @@ from miles_async.engine.core import Engine, EngineConfig, EngineOverloadedError
 from miles_async.engine.kv_cache import KVCache, OutOfBlocksError
 from miles_async.engine.request import GenerateRequest
 from miles_async.engine.sampling import SamplingParams, make_generator, sample
+from miles_async.kernels import cpu_kernels
 from miles_async.models import DenseCausalAttention, init_model, load_pretrained, load_tokenizer
 
 TIMEOUT_S = 60
@@ -103,7 +104,12 @@ def test_a_second_copy_of_a_cached_prefix_stays_private_and_is_freed():
 
 # ----- paged attention -----
 
-def test_paged_attention_equals_dense_attention_for_mixed_prefill_and_decode():
+@pytest.mark.parametrize("per_token", [
+    False,  # padded groups: gathered keys, the matmuls or SDPA
+    pytest.param(True, marks=pytest.mark.skipif(not cpu_kernels.supports(torch.float32, torch.device("cpu")),
+                                                reason="fused CPU kernels unavailable")),  # one kernel call
+])
+def test_paged_attention_equals_dense_attention_for_mixed_prefill_and_decode(per_token: bool):
     torch.manual_seed(0)
     num_heads, num_kv_heads, head_dim, block_size = 4, 2, 8, 4
     cache = KVCache(num_layers=1, num_blocks=32, block_size=block_size, num_kv_heads=num_kv_heads,
@@ -119,7 +125,8 @@ def test_paged_attention_equals_dense_attention_for_mixed_prefill_and_decode():
                 cache.k_blocks[0][:, table[p // block_size], p % block_size] = k[p]
                 cache.v_blocks[0][:, table[p // block_size], p % block_size] = v[p]
     chunks = [ScheduledChunk(table, n - fresh, fresh) for table, n, fresh in zip(tables, lengths, new)]
-    plan = build_plan(chunks, block_size)
+    plan = build_plan(chunks, block_size, per_token=per_token)
+    assert (plan.tokens is not None) == per_token and (not plan.groups) == per_token
     q_1TNH = torch.cat([q[n - f:] for (q, _, _), n, f in zip(full, lengths, new)])[None]
     k_1TKH = torch.cat([k[n - f:] for (_, k, _), n, f in zip(full, lengths, new)])[None]
     v_1TKH = torch.cat([v[n - f:] for (_, _, v), n, f in zip(full, lengths, new)])[None]
