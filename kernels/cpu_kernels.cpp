@@ -330,6 +330,41 @@ void paged_attention_any(const T* q, const int64_t* q_rows, const T* k_blocks, c
   else run(paged_attention<T, 0>);
 }
 
+// The step's new keys and values into their cache slots: token t's kv head kv (row t of k_new /
+// v_new, rows k_stride / v_stride elements apart, heads contiguous) goes to position slots[t] of
+// that head's blocks [K, num_blocks * block_size, H]. What two index_copy_ calls did.
+template <typename T>
+void write_kv(const T* k_new, const T* v_new, int64_t k_stride, int64_t v_stride, const int64_t* slots,
+              int64_t num_tokens, T* k_blocks, T* v_blocks, int64_t num_kv_heads, int64_t head_dim,
+              int64_t slots_per_head) {
+#pragma omp parallel for if (num_tokens * num_kv_heads * head_dim > 65536)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+      const int64_t at = (kv * slots_per_head + slots[t]) * head_dim;
+      std::memcpy(k_blocks + at, k_new + t * k_stride + kv * head_dim, head_dim * sizeof(T));
+      std::memcpy(v_blocks + at, v_new + t * v_stride + kv * head_dim, head_dim * sizeof(T));
+    }
+  }
+}
+
+// SwiGLU's middle: out[r] = silu(x[r, :F]) * x[r, F:] for rows of x [R, 2F] (gate and up, one
+// matmul's output side by side), silu(v) = v / (1 + e^-v) in float32 rounded to the dtype before
+// the product, which is rounded again: F.silu(gate) * up's order.
+template <typename T>
+void silu_mul(const T* x, T* out, int64_t rows, int64_t width) {
+#pragma omp parallel for if (rows * width > 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = x + r * 2 * width;
+    const T* up = gate + width;
+    T* o = out + r * width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) {
+      const float g = load(gate, i);
+      store(o, i, as_dtype<T>(g / (1.f + exp_approx(-g))) * load(up, i));
+    }
+  }
+}
+
 // Greedy decoding of each row of logits [R, V]: the first index of the row's maximum, and its
 // log-prob under log_softmax of the row in float32 (= -log(sum(exp(x - max))), since x - max is 0
 // there), as the eager sampler computes it up to the order of the sum.
@@ -370,7 +405,7 @@ void greedy(const T* logits, int64_t rows, int64_t vocab, int64_t* tokens, float
 
 extern "C" {
 
-int miles_abi_version() { return 2; }
+int miles_abi_version() { return 3; }
 
 void miles_rms_norm(int dtype, const void* x, const void* weight, void* out, int64_t rows, int64_t width,
                     float eps) {
@@ -388,21 +423,35 @@ void miles_rotary(int dtype, const void* x, const void* cos, const void* sin, vo
               static_cast<const uint16_t*>(sin), static_cast<uint16_t*>(out), tokens, heads, head_dim);
 }
 
-void miles_paged_attention(int dtype, const void* q, const int64_t* q_rows, const void* k_blocks,
-                                  const void* v_blocks, const int64_t* tables, int64_t table_width,
-                                  const int64_t* lengths, void* out, const int64_t* out_rows,
-                                  int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
-                                  int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale) {
-  if (dtype == 0)
+void miles_paged_attention(int dtype, const void* q, const int64_t* q_rows, void* k_blocks, void* v_blocks,
+                           const int64_t* tables, int64_t table_width, const int64_t* lengths, void* out,
+                           const int64_t* out_rows, int64_t num_requests, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,
+                           const void* k_new, const void* v_new, int64_t k_stride, int64_t v_stride,
+                           const int64_t* slots, int64_t num_new) {
+  if (dtype == 0) {
+    if (num_new > 0)
+      write_kv(static_cast<const float*>(k_new), static_cast<const float*>(v_new), k_stride, v_stride, slots, num_new,
+               static_cast<float*>(k_blocks), static_cast<float*>(v_blocks), num_kv_heads, head_dim,
+               num_blocks * block_size);
     paged_attention_any(static_cast<const float*>(q), q_rows, static_cast<const float*>(k_blocks),
-                           static_cast<const float*>(v_blocks), tables, table_width, lengths,
-                           static_cast<float*>(out), out_rows, num_requests, num_heads, num_kv_heads,
-                           head_dim, num_blocks, block_size, scale);
-  else
+                        static_cast<const float*>(v_blocks), tables, table_width, lengths, static_cast<float*>(out),
+                        out_rows, num_requests, num_heads, num_kv_heads, head_dim, num_blocks, block_size, scale);
+  } else {
+    if (num_new > 0)
+      write_kv(static_cast<const uint16_t*>(k_new), static_cast<const uint16_t*>(v_new), k_stride, v_stride, slots,
+               num_new, static_cast<uint16_t*>(k_blocks), static_cast<uint16_t*>(v_blocks), num_kv_heads, head_dim,
+               num_blocks * block_size);
     paged_attention_any(static_cast<const uint16_t*>(q), q_rows, static_cast<const uint16_t*>(k_blocks),
-                           static_cast<const uint16_t*>(v_blocks), tables, table_width, lengths,
-                           static_cast<uint16_t*>(out), out_rows, num_requests, num_heads, num_kv_heads,
-                           head_dim, num_blocks, block_size, scale);
+                        static_cast<const uint16_t*>(v_blocks), tables, table_width, lengths,
+                        static_cast<uint16_t*>(out), out_rows, num_requests, num_heads, num_kv_heads, head_dim,
+                        num_blocks, block_size, scale);
+  }
+}
+
+void miles_silu_mul(int dtype, const void* x, void* out, int64_t rows, int64_t width) {
+  if (dtype == 0) silu_mul(static_cast<const float*>(x), static_cast<float*>(out), rows, width);
+  else silu_mul(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), rows, width);
 }
 
 void miles_greedy(int dtype, const void* logits, int64_t rows, int64_t vocab, int64_t* tokens, float* logprobs) {

@@ -14,9 +14,11 @@ positions, one thread: 170 against 510 us; 400 against 1,050 us with the caches 
 Measured here, one thread, bf16: RMSNorm over 4 x 576, 16 -> 3.7 us; rotary of 4 x 9 x 64,
 12 -> 3.5 us; attention against the gathered path, engine/attention.py's docstring. And greedy
 sampling: argmax and its log-prob in one pass over the logits, where the sampler made a float32
-copy, a log_softmax and an argmax (11.5 ms of SmolLM2's 78 ms bf16 decode step at batch 64). A
-silu-and-multiply kernel was slower than torch's two vectorised ops (gate and up, views of one
-matmul's output, needed copies first) and was dropped.
+copy, a log_softmax and an argmax (11.5 ms of SmolLM2's 78 ms bf16 decode step at batch 64).
+Two smaller ones: `silu_mul`, the MLP's silu(gate) * up read in place from the gate/up matmul's
+output (an earlier version that took gate and up as separate tensors needed copies first and was
+slower than torch's two ops), and the step's KV write, folded into the attention call in place
+of two `index_copy_`s; together 2-6% of SmolLM2's bf16 decode step at batch 1 to 64 here.
 
 Numerics: the elementwise kernels round every intermediate to the tensor's dtype where the eager
 code does, so they match it up to the order of a sum (tests/unit/test_cpu_kernels.py states the
@@ -60,7 +62,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # (the attention loops ask for theirs with std::fma); -fno-trapping-math lets float-to-int
 # conversions (exp_approx) vectorise: nothing here reads floating-point exception flags.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-ABI_VERSION = 2
+ABI_VERSION = 3
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -110,9 +112,10 @@ def _load() -> ctypes.CDLL:
     lib.miles_rms_norm.argtypes = [i32, ptr, ptr, ptr, i64, i64, f32]
     lib.miles_rotary.argtypes = [i32, ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.miles_paged_attention.argtypes = [i32, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr,
-                                                 i64, i64, i64, i64, i64, i64, f32]
+                                          i64, i64, i64, i64, i64, i64, f32, ptr, ptr, i64, i64, ptr, i64]
+    lib.miles_silu_mul.argtypes = [i32, ptr, ptr, i64, i64]
     lib.miles_greedy.argtypes = [i32, ptr, i64, i64, ptr, ptr]
-    for fn in (lib.miles_rms_norm, lib.miles_rotary, lib.miles_greedy, lib.miles_paged_attention):
+    for fn in (lib.miles_rms_norm, lib.miles_rotary, lib.miles_greedy, lib.miles_paged_attention, lib.miles_silu_mul):
         fn.restype = None
     return lib
 
@@ -180,21 +183,53 @@ def greedy(logits_RV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens_R, logprobs_R
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`F.silu(gate) * up` where gate and up are the two halves of `gate_up`'s last dim (one
+    matmul's output, as the MLP's prepacked gate/up projection gives it), read in place."""
+    gate_up = gate_up.contiguous()
+    width = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], width)
+    library().miles_silu_mul(_DTYPES[gate_up.dtype], _ptr(gate_up), _ptr(out), out.numel() // width, width)  # type: ignore[union-attr]
+    return out
+
+
+def _heads_rows(x_TKH: torch.Tensor) -> int:
+    """Elements between x's token rows, its heads contiguous ([T, K, H], a view of a wider row
+    allowed); ValueError otherwise."""
+    if x_TKH.stride(2) != 1 or x_TKH.stride(1) != x_TKH.shape[2]:
+        raise ValueError(f"new keys/values need contiguous heads, got strides {x_TKH.stride()}")
+    return x_TKH.stride(0)
+
+
 def paged_attention(q_TNH: torch.Tensor, q_rows_G: torch.Tensor, k_blocks: torch.Tensor,
                     v_blocks: torch.Tensor, tables_GW: torch.Tensor, lengths_G: torch.Tensor,
-                    out_TNH: torch.Tensor, out_rows_G: torch.Tensor, scale: float) -> None:
+                    out_TNH: torch.Tensor, out_rows_G: torch.Tensor, scale: float,
+                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Each query g (row q_rows_G[g] of q_TNH) over the first lengths_G[g] cached positions of its
     sequence (blocks [K, num_blocks, block_size, H], block table row g of tables_GW), written to
     row out_rows_G[g] of out_TNH. A decoding request is one query; a prompt chunk one per token,
-    each with its own length. Index tensors int64; q, the blocks and out of one dtype, contiguous."""
+    each with its own length. Index tensors int64; q, the blocks and out of one dtype, contiguous.
+
+    `new_kv=(k_TKH, v_TKH, slots_T)` first writes the step's new keys and values into the blocks
+    (token t at flat position slots_T[t] of each head: what `index_copy_` along the blocks' flat
+    positions does), in the same call."""
     num_kv_heads, num_blocks, block_size, head_dim = k_blocks.shape
     if not (out_TNH.is_contiguous() and k_blocks.is_contiguous() and v_blocks.is_contiguous()):
         raise ValueError("paged_attention writes out_TNH and reads the blocks in place: all contiguous")
     q_TNH, tables_GW = q_TNH.contiguous(), tables_GW.contiguous()
+    k_new = v_new = slots_T = None
+    k_stride = v_stride = num_new = 0
+    if new_kv is not None:
+        k_new, v_new, slots_T = new_kv
+        if k_new.dtype != k_blocks.dtype or v_new.dtype != v_blocks.dtype:
+            raise ValueError(f"new keys/values ({k_new.dtype}) must be in the blocks' dtype ({k_blocks.dtype})")
+        k_stride, v_stride, num_new = _heads_rows(k_new), _heads_rows(v_new), slots_T.numel()
     library().miles_paged_attention(  # type: ignore[union-attr]
         _DTYPES[q_TNH.dtype], _ptr(q_TNH), _ptr(q_rows_G), _ptr(k_blocks), _ptr(v_blocks), _ptr(tables_GW),
         tables_GW.shape[1], _ptr(lengths_G), _ptr(out_TNH), _ptr(out_rows_G), q_rows_G.numel(), q_TNH.shape[1],
-        num_kv_heads, head_dim, num_blocks, block_size, scale)
+        num_kv_heads, head_dim, num_blocks, block_size, scale,
+        k_new.data_ptr() if k_new is not None else None, v_new.data_ptr() if v_new is not None else None,
+        k_stride, v_stride, slots_T.data_ptr() if slots_T is not None else None, num_new)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ One engine step runs the model once on a single packed row that holds every sche
 new tokens (a decoding request's one token, a prefilling request's prompt chunk), each at its
 absolute position. `build_plan` turns the step's schedule into index tensors once; then, in
 every layer, `PagedAttention`
-  1. writes the new k/v into their slots (one `index_copy_` each),
+  1. writes the new k/v into their slots (one `index_copy_` each; the fused kernel below does it
+     in its own call),
   2. on a CPU whose fused kernels built (kernels/cpu_kernels.py; `build_plan(per_token=True)`):
      attends every query of the step in one kernel call, each token a row of its own that reads
      its request's first position + 1 keys and values in place through the block table: causal
@@ -231,14 +232,14 @@ class PagedAttention:
         k_blocks, v_blocks = self._cache.k_blocks[layer_idx], self._cache.v_blocks[layer_idx]
         num_kv_heads, head_dim = k_blocks.shape[0], k_blocks.shape[3]
         slots = self._plan.write_slots_T
-        k_blocks.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, k_TKH.transpose(0, 1).to(k_blocks.dtype))
-        v_blocks.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, v_TKH.transpose(0, 1).to(v_blocks.dtype))
         out_TNH = torch.empty_like(q_TNH)
         tokens = self._plan.tokens
-        if tokens is not None:  # the fused CPU kernel: every query in one call, the blocks read in place
+        if tokens is not None:  # the fused CPU kernel: the KV write and every query in one call, in place
             cpu_kernels.paged_attention(q_TNH, tokens.rows_T, k_blocks, v_blocks, tokens.tables_TW, tokens.lengths_T,
-                                        out_TNH, tokens.rows_T, head_dim ** -0.5)
+                                        out_TNH, tokens.rows_T, head_dim ** -0.5, new_kv=(k_TKH, v_TKH, slots))
             return out_TNH[None]
+        k_blocks.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, k_TKH.transpose(0, 1).to(k_blocks.dtype))
+        v_blocks.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, v_TKH.transpose(0, 1).to(v_blocks.dtype))
         gqa = q_TNH.shape[1] != num_kv_heads
         for group in self._plan.groups:
             num_rows, num_positions = group.q_index_GQ.shape[0], group.num_positions

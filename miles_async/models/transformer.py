@@ -110,6 +110,7 @@ class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
     batch_invariant = False  # set by CausalLM.set_batch_invariant: torch's fused silu is not
+    fused = False  # set by CausalLM.use_cpu_kernels: silu(gate) * up in one kernel (with gate_up_prepacked)
 
     def __init__(self, hidden_size: int, width: int, bias: bool = False) -> None:
         super().__init__()
@@ -122,7 +123,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_prepacked is not None and not x.requires_grad:  # one matmul for gate and up
-            gate, up = onednn.linear(x, *self.gate_up_prepacked).chunk(2, dim=-1)
+            gate_up = onednn.linear(x, *self.gate_up_prepacked)
+            if self.fused:
+                return self.down_proj(cpu_kernels.silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         act = batch_invariant.silu if self.batch_invariant else F.silu
         return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
@@ -301,16 +305,17 @@ class CausalLM(nn.Module):
         pack_one(self.lm_head)
 
     def use_cpu_kernels(self, enabled: bool = True) -> None:
-        """Run RMSNorm and rotary embedding through the fused CPU kernels
-        (kernels/cpu_kernels.py) in forwards without autograd, or stop (`enabled=False`). Raises
-        ValueError where they cannot run: not a CPU, a dtype other than fp32/bf16, no compiler."""
+        """Run RMSNorm, rotary embedding and (with prepacked weights) the MLP's silu(gate) * up
+        through the fused CPU kernels (kernels/cpu_kernels.py) in forwards without autograd, or
+        stop (`enabled=False`). Raises ValueError where they cannot run: not a CPU, a dtype other
+        than fp32/bf16, no compiler."""
         if enabled:
             weight = self.lm_head.weight
             if not cpu_kernels.supports(weight.dtype, weight.device):
                 why = cpu_kernels.unavailable_reason() or f"{weight.dtype} weights on {weight.device}"
                 raise ValueError(f"the fused CPU kernels cannot run here: {why}")
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention)):
+            if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.fused = enabled
 
     def set_batch_invariant(self, enabled: bool = True) -> None:

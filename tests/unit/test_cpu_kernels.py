@@ -3,7 +3,9 @@
 Stated tolerances: rotary bit for bit in bf16 (every intermediate rounded where the eager code
 rounds), RMSNorm within one bf16 unit in the last place (bit for bit here), both within 1e-5 in
 fp32 (a sum in another order); attention over the paged blocks
-within 1e-5 (fp32) and 0.01 (bf16 output rounding) of SDPA over the same keys, gathered. Without a compiler the engine falls back to its torch ops, which a subprocess checks.
+within 1e-5 (fp32) and 0.01 (bf16 output rounding) of SDPA over the same keys, gathered, and its
+KV write equal to `index_copy_`'s; silu(gate) * up within 1e-6 (fp32) or equal but for one in a
+thousand elements at most, one bf16 unit apart (bf16). Without a compiler the engine falls back to its torch ops, which a subprocess checks.
 """
 
 from __future__ import annotations
@@ -87,6 +89,56 @@ def test_paged_attention_matches_sdpa_over_the_gathered_keys(dtype: torch.dtype,
     untouched = torch.ones(num_requests + 3, dtype=torch.bool)
     untouched[out_rows] = False
     assert bool((out[untouched] == 7.0).all())  # only the output rows are written
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_writes_the_new_keys_and_values_first(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    num_kv_heads, num_heads, head_dim, num_blocks, block_size = 3, 9, 64, 12, 16
+    k_blocks, v_blocks = (torch.randn(num_kv_heads, num_blocks, block_size, head_dim, generator=gen).to(dtype)
+                          for _ in range(2))
+    qkv = torch.randn(5, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)  # one matmul's rows
+    q, k_new, v_new = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q = q.contiguous().view(5, num_heads, head_dim)
+    k_new = k_new.contiguous().view(5, num_kv_heads, head_dim)  # contiguous, as rotary leaves it
+    v_new = v_new.view(5, num_kv_heads, head_dim)  # a view with the qkv row's stride
+    slots = torch.tensor([3, 17, 18, 19, 150])  # flat positions: block 0, block 1, ..., block 9
+    tables = torch.tensor([[0, 1, 2], [0, 1, 2], [0, 1, 2], [0, 1, 2], [8, 9, 10]])
+    lengths = torch.tensor([4, 18, 19, 20, 23])
+    rows = torch.arange(5)
+    expected_k, expected_v = k_blocks.clone(), v_blocks.clone()
+    expected_k.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, k_new.transpose(0, 1))
+    expected_v.view(num_kv_heads, -1, head_dim).index_copy_(1, slots, v_new.transpose(0, 1))
+    expected_out = torch.empty_like(q)
+    cpu_kernels.paged_attention(q, rows, expected_k, expected_v, tables, lengths, expected_out, rows, 0.125)
+
+    out = torch.empty_like(q)
+    cpu_kernels.paged_attention(q, rows, k_blocks, v_blocks, tables, lengths, out, rows, 0.125,
+                                new_kv=(k_new, v_new, slots))
+    assert torch.equal(k_blocks, expected_k) and torch.equal(v_blocks, expected_v)
+    assert torch.equal(out, expected_out)
+    with pytest.raises(ValueError, match="dtype"):
+        cpu_kernels.paged_attention(q, rows, k_blocks, v_blocks, tables, lengths, out, rows, 0.125,
+                                    new_kv=(k_new.double(), v_new, slots))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_silu_of_gate_times_up(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(7, 2 * 1536, generator=gen) * 4).to(dtype)
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 30.0, -30.0, 100.0, -100.0, 1e-30, -1e-30]).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    got = cpu_kernels.silu_mul(gate_up)
+    assert got.shape == expected.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-30)
+    else:  # silu rounded to bf16 before the product, as eager: equal but where e^x's last bits tip a rounding
+        differs = got != expected
+        assert int(differs.sum()) <= got.numel() // 1000
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=0.0)
 
 
 def test_without_a_compiler_the_kernels_say_why_and_the_engine_runs_plain_torch(tmp_path: Path) -> None:
