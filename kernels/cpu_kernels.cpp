@@ -65,6 +65,20 @@ inline float exp_approx(float x) {
   return p * __builtin_bit_cast(float, bits);  // 2^n
 }
 
+// s[p] <- e^(s[p] - max s) over p < n, in place; returns their sum (softmax's denominator).
+inline float exp_shifted(float* __restrict__ s, int64_t n) {
+  float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+  for (int64_t p = 0; p < n; ++p) top = s[p] > top ? s[p] : top;
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t p = 0; p < n; ++p) {
+    s[p] = exp_approx(s[p] - top);
+    total += s[p];
+  }
+  return total;
+}
+
 // out = weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype), row by row.
 template <typename T>
 void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t width, float eps) {
@@ -156,16 +170,7 @@ void paged_attention(const T* q, const int64_t* q_rows, const T* k_blocks, const
       }
       for (int64_t r = 0; r < group; ++r) {
         float* __restrict__ sr = sc + r * length;
-        float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-        for (int64_t p = 0; p < length; ++p) top = sr[p] > top ? sr[p] : top;
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t p = 0; p < length; ++p) {
-          sr[p] = exp_approx(sr[p] - top);
-          total += sr[p];
-        }
-        const float inv = 1.f / total;
+        const float inv = 1.f / exp_shifted(sr, length);
 #pragma omp simd
         for (int64_t p = 0; p < length; ++p) sr[p] *= inv;
       }
@@ -282,16 +287,7 @@ void paged_attention_avx512(const T* q, const int64_t* q_rows, const T* k_blocks
           for (int t = 0; t < 16; ++t) part[t] = qr.dot(k_rows[p0 + t]);
           _mm512_storeu_ps(sr + p0, _mm512_mul_ps(sum_lanes16(part), scale16));
         }
-        float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-        for (int64_t p = 0; p < length; ++p) top = sr[p] > top ? sr[p] : top;
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t p = 0; p < length; ++p) {
-          sr[p] = exp_approx(sr[p] - top);
-          total += sr[p];
-        }
-        const __m512 inv = _mm512_set1_ps(1.f / total);
+        const __m512 inv = _mm512_set1_ps(1.f / exp_shifted(sr, length));
         __m512 acc[HD / 16];
         for (int i = 0; i < HD / 16; ++i) acc[i] = _mm512_setzero_ps();
         for (int64_t p = 0; p < length; ++p) {

@@ -11,6 +11,7 @@ thousand elements at most, one bf16 unit apart (bf16). Without a compiler the en
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,16 @@ CPU = torch.device("cpu")
 needs_kernels = pytest.mark.skipif(not cpu_kernels.supports(torch.float32, CPU),
                                    reason=f"fused CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
 DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 0.0)]
+
+
+def test_the_kernels_build_wherever_there_is_a_compiler() -> None:
+    # The other tests here skip where the kernels are unavailable; a compiler that fails on the
+    # source must fail this one instead of skipping them.
+    if os.environ.get("MILES_ASYNC_CPU_KERNELS", "1") == "0":
+        pytest.skip("MILES_ASYNC_CPU_KERNELS=0")
+    if not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("no C++ compiler on this machine")
+    assert cpu_kernels.library() is not None, cpu_kernels.unavailable_reason()
 
 
 @needs_kernels
