@@ -7,7 +7,9 @@
   (`register_fsdp_forward_method`): the root's parameters (embedding, final norm, lm_head) are
   all-gathered around it and their gradients reduce-scattered after the backward, exactly as for
   `forward`. With `TrainerConfig.compute_dtype = "bfloat16"` the backbone runs under
-  torch.autocast (bf16 matmuls over the fp32 weights) and the log-probs are taken in fp32.
+  torch.autocast (bf16 matmuls over the fp32 weights) and the log-probs are taken in fp32, from
+  vocabulary matmuls that on a CPU may take bf16 inputs (`bf16_matmuls`, kernels/logprobs.py:
+  the hidden states are bf16 values already) but keep fp32 logits.
 - `micro_batch_loss` is the loss of one packed micro-batch (`TrainerConfig.objective`): the RL
   policy loss (PPO clip + dual clip, TIS against the rollout log-probs, KL to the reference
   log-probs when the batch carries them, entropy bonus) or SFT cross-entropy, divided by the
@@ -69,7 +71,8 @@ def attach_logprobs(model: CausalLM, config: TrainerConfig) -> None:
             entropy_T = -(logp_TV.exp() * logp_TV).sum(-1)
         else:
             logp_T, entropy_T = token_logprobs_from_hidden(h_1TD[0], self.lm_head.weight, targets_T,
-                                                           temperature=temperature, chunk_tokens=chunk_tokens)
+                                                           temperature=temperature, chunk_tokens=chunk_tokens,
+                                                           bf16_matmuls=compute_dtype == "bfloat16")
         # The kernel returns views (a reshape); FSDP2 hooks its pre-backward on the outputs and
         # warns about views, so hand it fresh tensors ([T] floats: nothing to speak of).
         return logp_T.clone(), entropy_T.clone()

@@ -60,6 +60,32 @@ def test_from_logits_matches_unchunked_values_and_gradients(dtype: torch.dtype, 
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+def test_bf16_matmuls_stay_within_bf16_input_rounding_and_restore_the_setting() -> None:
+    # The vocabulary matmuls may take bf16 inputs (oneDNN's math mode): results must lie within what
+    # rounding h and W to bf16 can move them (float64 reference on the rounded inputs), logits and
+    # log-probs stay float32, and the process-wide setting is back as it was after both passes.
+    hidden_TD, weight_VD, targets_T, g_logp_T, g_ent_T = _inputs(torch.float32)
+    settings = torch.backends.mkldnn.matmul
+    assert settings.fp32_precision == "none"
+    logp_T, ent_T = token_logprobs_from_hidden(hidden_TD, weight_VD, targets_T, chunk_tokens=64, bf16_matmuls=True)
+    assert settings.fp32_precision == "none" and logp_T.dtype == torch.float32
+    grads = torch.autograd.grad((logp_T * g_logp_T).sum() + (ent_T * g_ent_T).sum(), (hidden_TD, weight_VD))
+    assert settings.fp32_precision == "none"
+
+    def reference(h: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
+        h, w = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        ref_logp_T, ref_ent_T = token_logprobs_unchunked(h @ w.T, targets_T)
+        ref_grads = torch.autograd.grad((ref_logp_T * g_logp_T.double()).sum() + (ref_ent_T * g_ent_T.double()).sum(),
+                                        (h, w))
+        return [ref_logp_T, ref_ent_T, *ref_grads]
+
+    exact = reference(hidden_TD, weight_VD)
+    rounded = reference(hidden_TD.bfloat16(), weight_VD.bfloat16())
+    for got, want, worst in zip([logp_T, ent_T, *grads], exact, rounded):
+        bound = float((worst - want).detach().abs().max()) + 1e-5
+        assert float((got.double() - want).detach().abs().max()) <= bound
+
+
 def test_bfloat16_logits_give_float32_results_close_to_the_reference() -> None:
     hidden_TD, weight_VD, targets_T, _, _ = _inputs(torch.float32)
     logits_TV = (hidden_TD @ weight_VD.T).detach().to(torch.bfloat16).requires_grad_()
