@@ -119,13 +119,14 @@ def test_an_explicit_cpu_device_gives_the_same_outputs_as_the_default(no_cuda, m
     assert run(outputs(small(device="auto"))) == default  # no GPU here: "auto" is the CPU
 
 
-def test_every_tensor_a_step_makes_is_made_on_the_engines_device(model_dirs):
+@pytest.mark.parametrize("fused", [False, True])  # the gathered attention path (a GPU's), and the CPU kernels'
+def test_every_tensor_a_step_makes_is_made_on_the_engines_device(model_dirs, fused):
     """A tensor factory without a device makes a CPU tensor, which on a GPU engine is a host tensor
     in a device computation (an error, or a copy per step): every one the steps call says its device,
     and it is the engine's. Mixed steps: prefill chunks, decodes, a prefix-cache hit, greedy, seeded
     and shared sampling, top-k/top-p, prompt log-probs, top-k lists and routed experts."""
     for family in ("qwen3", "qwen3_moe"):
-        engine = Engine.from_pretrained(model_dirs[family], config=small(device="cpu"))
+        engine = Engine.from_pretrained(model_dirs[family], config=small(device="cpu", fused_cpu_kernels=fused))
         recorder = FactoryDevices()
 
         async def scenario(engine=engine, recorder=recorder, moe=family == "qwen3_moe"):
@@ -143,7 +144,9 @@ def test_every_tensor_a_step_makes_is_made_on_the_engines_device(model_dirs):
         assert not undeviced, f"{family}: tensor factories called without a device in a step: {undeviced}"
         assert {torch.device(device) for _, device in recorder.calls} == {engine.device}
         placed = {name: t.device for name, t in engine_tensors(engine).items()}
-        assert "gather buffer 0" in placed and ("expert_slots_TLk" in placed) == (family == "qwen3_moe")
+        # the fused kernel reads the blocks in place: no gather buffer
+        assert ("gather buffer 0" in placed) == (not engine._fused)
+        assert ("expert_slots_TLk" in placed) == (family == "qwen3_moe")
         assert set(placed.values()) == {engine.device}, placed
         assert engine._shared_generator.device == engine.device
 
