@@ -4,8 +4,9 @@
 - `batch_invariant`: linear, attention, silu and log-probs whose per-row result does not depend on
   the rest of the batch (true on-policy mode: the engine's log-probs equal the trainer's).
 - `onednn`: linear layers on weights prepacked for oneDNN (the embedded engine's CPU matmuls).
-- `cpu_kernels`: fused C++ kernels for the engine's CPU decode steps (RMSNorm, rotary, attention
-  over the paged KV blocks, greedy sampling), compiled once per machine at first use.
+- `cpu_kernels`: fused C++ kernels for the engine's CPU steps (RMSNorm, rotary, attention over the
+  paged KV blocks with the KV write, silu(gate) * up, greedy sampling), compiled once per machine
+  at first use.
 
 Still to come: quantizers (FP8 blockwise, MXFP8, NVFP4, INT4) and routing
 capture/replay. It is a leaf: it imports torch (and Triton lazily) and nothing of ours (DESIGN.md,

@@ -49,7 +49,7 @@ template <> inline float as_dtype<float>(float v) { return v; }
 template <> inline float as_dtype<uint16_t>(float v) { return bf16_to_float(float_to_bf16(v)); }
 
 // e^x in float32 within ~2 ulp, in plain arithmetic rather than a libm call per element. Inputs
-// below -87.3 give ~1e-38 rather than 0 (the softmax below only takes x <= 0).
+// are clamped to [-87.3, 88.7]: ~1e-38 rather than 0 below, ~3e38 rather than inf above.
 inline float exp_approx(float x) {
   x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
   const float n = std::floor(x * 1.44269504f + 0.5f);
@@ -118,6 +118,16 @@ void rotary(const T* x, const T* cos, const T* sin, T* out, int64_t tokens, int6
   }
 }
 
+// Where each of a sequence's first `length` positions lies for one kv head: rows[p] points at
+// position p's H values in that head's blocks (base), through the block table.
+template <typename T>
+void position_rows(const T* base, const int64_t* table, int64_t length, int64_t block_size, int64_t head_dim,
+                   const T** rows) {
+  for (int64_t p = 0, b = 0; p < length; ++b) {
+    for (int64_t j = 0; j < block_size && p < length; ++j, ++p) rows[p] = base + (table[b] * block_size + j) * head_dim;
+  }
+}
+
 // Attention straight over the paged cache, one query row at a time: query g (row q_rows[g] of q
 // [*, N, H]) attends to the first lengths[g] positions of its sequence, read from blocks [K,
 // num_blocks, block_size, H] through its block table (row g of tables [G, table_width]); the
@@ -137,6 +147,7 @@ void paged_attention(const T* q, const int64_t* q_rows, const T* k_blocks, const
 #pragma omp parallel
   {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row_buffer(head_dim), scores;
+    std::vector<const T*> k_rows, v_rows;
     float* __restrict__ row = row_buffer.data();
 #pragma omp for schedule(dynamic)
     for (int64_t job = 0; job < num_requests * num_kv_heads; ++job) {
@@ -149,23 +160,20 @@ void paged_attention(const T* q, const int64_t* q_rows, const T* k_blocks, const
         for (int64_t i = 0; i < head_dim; ++i) qf[r * head_dim + i] = load(qv, i) * scale;
       }
       scores.resize(group * length);
+      k_rows.resize(length);
+      v_rows.resize(length);
       float* __restrict__ sc = scores.data();
-      const int64_t num_table_blocks = (length + block_size - 1) / block_size;
-      for (int64_t b = 0; b < num_table_blocks; ++b) {
-        const T* kb = kv_k + table[b] * block_size * head_dim;
-        const int64_t count = std::min(block_size, length - b * block_size);
-        for (int64_t j = 0; j < count; ++j) {
-          const T* kp = kb + j * head_dim;
-          const int64_t p = b * block_size + j;
+      position_rows(kv_k, table, length, block_size, head_dim, k_rows.data());
+      position_rows(kv_v, table, length, block_size, head_dim, v_rows.data());
+      for (int64_t p = 0; p < length; ++p) {
 #pragma omp simd
-          for (int64_t i = 0; i < head_dim; ++i) row[i] = load(kp, i);
-          for (int64_t r = 0; r < group; ++r) {
-            const float* __restrict__ qr = qf.data() + r * head_dim;
-            float dot = 0.f;
+        for (int64_t i = 0; i < head_dim; ++i) row[i] = load(k_rows[p], i);
+        for (int64_t r = 0; r < group; ++r) {
+          const float* __restrict__ qr = qf.data() + r * head_dim;
+          float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < head_dim; ++i) dot = std::fma(qr[i], row[i], dot);
-            sc[r * length + p] = dot;
-          }
+          for (int64_t i = 0; i < head_dim; ++i) dot = std::fma(qr[i], row[i], dot);
+          sc[r * length + p] = dot;
         }
       }
       for (int64_t r = 0; r < group; ++r) {
@@ -175,20 +183,14 @@ void paged_attention(const T* q, const int64_t* q_rows, const T* k_blocks, const
         for (int64_t p = 0; p < length; ++p) sr[p] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0; b < num_table_blocks; ++b) {
-        const T* vb = kv_v + table[b] * block_size * head_dim;
-        const int64_t count = std::min(block_size, length - b * block_size);
-        for (int64_t j = 0; j < count; ++j) {
-          const T* vp = vb + j * head_dim;
-          const int64_t p = b * block_size + j;
+      for (int64_t p = 0; p < length; ++p) {
 #pragma omp simd
-          for (int64_t i = 0; i < head_dim; ++i) row[i] = load(vp, i);
-          for (int64_t r = 0; r < group; ++r) {
-            const float w = sc[r * length + p];
-            float* __restrict__ ar = acc.data() + r * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) row[i] = load(v_rows[p], i);
+        for (int64_t r = 0; r < group; ++r) {
+          const float w = sc[r * length + p];
+          float* __restrict__ ar = acc.data() + r * head_dim;
 #pragma omp simd
-            for (int64_t i = 0; i < head_dim; ++i) ar[i] = std::fma(w, row[i], ar[i]);
-          }
+          for (int64_t i = 0; i < head_dim; ++i) ar[i] = std::fma(w, row[i], ar[i]);
         }
       }
       for (int64_t r = 0; r < group; ++r) {
@@ -270,12 +272,8 @@ void paged_attention_avx512(const T* q, const int64_t* q_rows, const T* k_blocks
       const int64_t padded = (length + 15) / 16 * 16;
       k_rows.resize(padded);
       v_rows.resize(padded);
-      for (int64_t p = 0, b = 0; p < length; ++b) {
-        for (int64_t j = 0; j < block_size && p < length; ++j, ++p) {
-          k_rows[p] = kv_k + (table[b] * block_size + j) * HD;
-          v_rows[p] = kv_v + (table[b] * block_size + j) * HD;
-        }
-      }
+      position_rows(kv_k, table, length, block_size, HD, k_rows.data());
+      position_rows(kv_v, table, length, block_size, HD, v_rows.data());
       for (int64_t p = length; p < padded; ++p) k_rows[p] = k_rows[0];  // padding: computed, never used
       scores.resize(group * padded);
       for (int64_t r = 0; r < group; ++r) {
@@ -425,24 +423,17 @@ void miles_paged_attention(int dtype, const void* q, const int64_t* q_rows, void
                            int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,
                            const void* k_new, const void* v_new, int64_t k_stride, int64_t v_stride,
                            const int64_t* slots, int64_t num_new) {
-  if (dtype == 0) {
+  auto step = [&](auto* typed) {  // typed: a null pointer of the element type
+    using T = std::remove_pointer_t<decltype(typed)>;
     if (num_new > 0)
-      write_kv(static_cast<const float*>(k_new), static_cast<const float*>(v_new), k_stride, v_stride, slots, num_new,
-               static_cast<float*>(k_blocks), static_cast<float*>(v_blocks), num_kv_heads, head_dim,
-               num_blocks * block_size);
-    paged_attention_any(static_cast<const float*>(q), q_rows, static_cast<const float*>(k_blocks),
-                        static_cast<const float*>(v_blocks), tables, table_width, lengths, static_cast<float*>(out),
-                        out_rows, num_requests, num_heads, num_kv_heads, head_dim, num_blocks, block_size, scale);
-  } else {
-    if (num_new > 0)
-      write_kv(static_cast<const uint16_t*>(k_new), static_cast<const uint16_t*>(v_new), k_stride, v_stride, slots,
-               num_new, static_cast<uint16_t*>(k_blocks), static_cast<uint16_t*>(v_blocks), num_kv_heads, head_dim,
-               num_blocks * block_size);
-    paged_attention_any(static_cast<const uint16_t*>(q), q_rows, static_cast<const uint16_t*>(k_blocks),
-                        static_cast<const uint16_t*>(v_blocks), tables, table_width, lengths,
-                        static_cast<uint16_t*>(out), out_rows, num_requests, num_heads, num_kv_heads, head_dim,
-                        num_blocks, block_size, scale);
-  }
+      write_kv(static_cast<const T*>(k_new), static_cast<const T*>(v_new), k_stride, v_stride, slots, num_new,
+               static_cast<T*>(k_blocks), static_cast<T*>(v_blocks), num_kv_heads, head_dim, num_blocks * block_size);
+    paged_attention_any(static_cast<const T*>(q), q_rows, static_cast<const T*>(k_blocks),
+                        static_cast<const T*>(v_blocks), tables, table_width, lengths, static_cast<T*>(out), out_rows,
+                        num_requests, num_heads, num_kv_heads, head_dim, num_blocks, block_size, scale);
+  };
+  if (dtype == 0) step(static_cast<float*>(nullptr));
+  else step(static_cast<uint16_t*>(nullptr));
 }
 
 void miles_silu_mul(int dtype, const void* x, void* out, int64_t rows, int64_t width) {
