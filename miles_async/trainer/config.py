@@ -66,6 +66,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # full logits of each micro-batch, as the engine computes them (the chunked kernel rounds
     # differently), so size micro_batch_tokens for [tokens, vocab] float32 logits.
     batch_invariant: bool = False
+    # Run the common prefix of a group's samples (their prompt) through the model once per
+    # micro-batch (trainer/packing.py); the loss is the same, up to float summation order. Off in
+    # batch-invariant mode and with routed-expert replay, which need each sample laid out alone.
+    share_prefixes: bool = True
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

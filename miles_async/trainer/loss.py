@@ -1,9 +1,11 @@
 """The train step's per-token log-probs and loss: `miles_async.kernels` + `miles_async.rl` on a packed row.
 
 - `attach_logprobs(model)` gives the (FSDP2-sharded) model a second forward method,
-  `model.token_logprobs(ids, positions, targets, routed_experts)`, that runs the backbone and then
-  the chunked log-prob kernel on the final hidden states and the lm_head weight, so the step never
-  holds a full float32 [tokens, vocab] logits tensor. It is registered with FSDP2
+  `model.token_logprobs(ids, positions, targets, routed_experts, branches, rows)`, that runs the
+  backbone (over shared-prefix documents when `branches` is given, packing.py) and then the
+  chunked log-prob kernel on the final hidden states of `rows` and the lm_head weight, so the
+  step never holds a full float32 [tokens, vocab] logits tensor, and projects only the rows whose
+  targets are trained. It is registered with FSDP2
   (`register_fsdp_forward_method`): the root's parameters (embedding, final norm, lm_head) are
   all-gathered around it and their gradients reduce-scattered after the backward, exactly as for
   `forward`. With `TrainerConfig.compute_dtype = "bfloat16"` the backbone runs under
@@ -16,7 +18,8 @@
   whole step's denominator, plus the step metrics' sums of this micro-batch (one float64 vector,
   see `LOSS_SUM_NAMES`, so the step makes a single all-reduce).
 
-Tensor names (STYLE rule 10): T packed tokens, D hidden, K summed metrics.
+Tensor names (STYLE rule 10): T packed tokens (per-sample slots), R rows run through the model,
+S the scored slots, D hidden, V vocab, K summed metrics.
 
 Try it: see tests/unit/test_trainer_step.py.
 """
@@ -58,24 +61,26 @@ def attach_logprobs(model: CausalLM, config: TrainerConfig) -> None:
     exact = config.batch_invariant
     compute_dtype = config.compute_dtype
 
-    def token_logprobs(self: CausalLM, input_ids_1T: torch.Tensor, positions_1T: torch.Tensor,
-                       targets_T: torch.Tensor,
-                       routed_experts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        attn = DenseCausalAttention(batch_invariant=exact)
-        with mixed_precision(input_ids_1T.device, compute_dtype):
-            h_1TD, _ = self.model(input_ids_1T, positions_1T, attn, routed_experts)
-        h_1TD = h_1TD.float()  # the vocabulary projection and its log-softmax in fp32 (a no-op in fp32)
+    def token_logprobs(self: CausalLM, input_ids_1R: torch.Tensor, positions_1R: torch.Tensor,
+                       targets_S: torch.Tensor, routed_experts: torch.Tensor | None,
+                       branches_1R: torch.Tensor | None = None,
+                       rows_S: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        attn = DenseCausalAttention(batch_invariant=exact, branches_BT=branches_1R)
+        with mixed_precision(input_ids_1R.device, compute_dtype):
+            h_1RD, _ = self.model(input_ids_1R, positions_1R, attn, routed_experts)
+        # The vocabulary projection and its log-softmax in fp32 (a no-op in fp32), for the rows asked for.
+        h_SD = (h_1RD[0] if rows_S is None else h_1RD[0].index_select(0, rows_S)).float()
         if exact:  # the engine's own arithmetic: full logits, log_softmax, gather
-            logp_TV = batch_invariant.log_softmax(self.lm_head(h_1TD[0]), temperature)
-            logp_T = logp_TV.gather(-1, targets_T[:, None]).squeeze(-1)
-            entropy_T = -(logp_TV.exp() * logp_TV).sum(-1)
+            logp_SV = batch_invariant.log_softmax(self.lm_head(h_SD), temperature)
+            logp_S = logp_SV.gather(-1, targets_S[:, None]).squeeze(-1)
+            entropy_S = -(logp_SV.exp() * logp_SV).sum(-1)
         else:
-            logp_T, entropy_T = token_logprobs_from_hidden(h_1TD[0], self.lm_head.weight, targets_T,
+            logp_S, entropy_S = token_logprobs_from_hidden(h_SD, self.lm_head.weight, targets_S,
                                                            temperature=temperature, chunk_tokens=chunk_tokens,
                                                            bf16_matmuls=compute_dtype == "bfloat16")
         # The kernel returns views (a reshape); FSDP2 hooks its pre-backward on the outputs and
         # warns about views, so hand it fresh tensors ([T] floats: nothing to speak of).
-        return logp_T.clone(), entropy_T.clone()
+        return logp_S.clone(), entropy_S.clone()
 
     # An instance method (models/ has no such method); FSDP2 then wraps it with its forward hooks.
     # The type: ignores here and in micro_batch_loss: torch's stubs type the attributes a Module
@@ -95,12 +100,21 @@ def micro_batch_loss(model: nn.Module, batch: PackedBatch, config: TrainerConfig
     """Forward one packed micro-batch and return its loss (for backward) and its metric sums."""
     loss_config = config.policy_loss
     experts = None if batch.routed_experts_L1Tk is None else batch.routed_experts_L1Tk.to(device)
-    positions_1T = batch.positions_1T.to(device)
-    logp_T, entropy_T = model.token_logprobs(  # type: ignore[operator]  # the method attach_logprobs set
-        batch.input_ids_1T.to(device), positions_1T, batch.targets_T.to(device), experts)
     mask_T = batch.loss_mask_T.to(device)
     rollout_T = batch.rollout_logprobs_T.to(device)
-    seq_ids_T = (positions_1T[0] == 0).cumsum(0) - 1
+    # Only the trained slots are scored (a prompt's positions need no vocabulary projection); the
+    # others hold the rollout's log-prob, a finite constant every masked term ignores.
+    slots_S = torch.nonzero(batch.loss_mask_T).reshape(-1)
+    if slots_S.numel() == 0:
+        slots_S = slots_S.new_zeros(1)  # a padding micro-batch still runs the model's collectives
+    rows_S = slots_S if batch.hidden_rows_T is None else batch.hidden_rows_T[slots_S]
+    slots_S = slots_S.to(device)
+    logp_S, entropy_S = model.token_logprobs(  # type: ignore[operator]  # the method attach_logprobs set
+        batch.input_ids_1R.to(device), batch.positions_1R.to(device), batch.targets_T.to(device)[slots_S],
+        experts, None if batch.branches_1R is None else batch.branches_1R.to(device), rows_S.to(device))
+    logp_T = rollout_T.index_put((slots_S,), logp_S)
+    entropy_T = rollout_T.new_zeros(rollout_T.shape).index_put((slots_S,), entropy_S)
+    seq_ids_T = batch.sample_T.to(device)
     zero = logp_T.new_zeros(())
     if config.objective == "sft":
         loss = sft_loss(logp_T, mask_T, seq_ids_T, loss_config.aggregation, denominator=denominator)

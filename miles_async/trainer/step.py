@@ -39,7 +39,8 @@ from miles_async.trainer.packing import micro_batches, pack, trained_tokens
 from miles_async.trajectory import TokenData, Trajectory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-COUNT_NAMES = ("num_samples", "num_tokens", "num_trained_tokens", "reward_sum")  # all-reduced with the loss sums
+# all-reduced with the loss sums
+COUNT_NAMES = ("num_samples", "num_tokens", "num_trained_tokens", "reward_sum", "num_forward_tokens")
 
 
 class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,7 +54,7 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     num_tokens: int
     num_trained_tokens: int
     num_micro_batches: int
-    tokens_per_s: float
+    tokens_per_s: float  # the samples' tokens per second (shared prefixes count once per sample)
     logprob_abs_diff: float  # mean |trainer log-prob - rollout log-prob| over trained tokens
     mean_reward: float
     elapsed_s: float
@@ -67,6 +68,7 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     # The loss's parts, aggregated like the loss (loss = pg_loss + kl_coef * kl - entropy_coef * entropy):
     pg_loss: float = 0.0
     kl: float = 0.0  # to the reference log-probs (0 unless kl_coef > 0)
+    num_forward_tokens: int = 0  # tokens the model ran: num_tokens less the shared prefixes' repeats
 
 
 class WeightBucket(msgspec.Struct, frozen=True, kw_only=True):
@@ -93,8 +95,10 @@ class Trainer:
         model.train()
         self.model = shard_model(model, device)
         attach_logprobs(self.model, config)
+        # fused: one kernel over all the parameters (SmolLM2-135M on one CPU thread: 0.12 s a step
+        # against 0.57 for the default per-parameter loop)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
-                                           eps=config.eps, weight_decay=config.weight_decay)
+                                           eps=config.eps, weight_decay=config.weight_decay, fused=True)
         model_config = model.config
         self.moe_shape = model_config.moe_shape
         self.step = 0
@@ -122,8 +126,12 @@ class Trainer:
         plan = micro_batches(samples, config.micro_batch_tokens, num_micro_batches)
         self.optimizer.zero_grad(set_to_none=True)
         sums_K = torch.zeros(len(LOSS_SUM_NAMES) + len(COUNT_NAMES), dtype=torch.float64)
+        share = config.share_prefixes and not config.batch_invariant
+        forward_tokens = 0
         for indices in plan:
-            packed = pack([data[i] for i in indices], [advantages[i] for i in indices], self.moe_shape)
+            groups = [(samples[i].prompt_id, samples[i].attempt) for i in indices] if share else None
+            packed = pack([data[i] for i in indices], [advantages[i] for i in indices], self.moe_shape, groups)
+            forward_tokens += packed.num_tokens if packed.num_samples else 0
             out = micro_batch_loss(self.model, packed, config, denominator, self.device)
             # FSDP averages gradients over ranks; the loss is already a mean over the whole
             # batch, so undo the average (x world size; a power of two is exact in floats).
@@ -131,7 +139,7 @@ class Trainer:
             sums_K[:len(LOSS_SUM_NAMES)] += out.sums_K.cpu()
         sums_K[len(LOSS_SUM_NAMES):] = torch.tensor(
             [len(samples), sum(d.num_tokens for d in data), sum(trained_tokens(s) for s in samples),
-             sum(s.reward for s in samples)], dtype=torch.float64)
+             sum(s.reward for s in samples), forward_tokens], dtype=torch.float64)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         grad_norm = float(full_tensor(norm))
         # A non-finite gradient (same on every rank: the norm is reduced) skips the update.
@@ -151,7 +159,7 @@ class Trainer:
         num_rl = len(METRIC_SUM_NAMES)
         rl = RLMetrics.from_sums(sums_K[:num_rl])
         loss, pg_loss, kl = sums_K[num_rl:len(LOSS_SUM_NAMES)].tolist()
-        num_samples, num_tokens, num_trained, reward_sum = sums_K[len(LOSS_SUM_NAMES):].tolist()
+        num_samples, num_tokens, num_trained, reward_sum, num_forward = sums_K[len(LOSS_SUM_NAMES):].tolist()
         return StepMetrics(
             step=self.step, weight_version=self.weight_version, loss=loss, grad_norm=grad_norm,
             num_samples=int(num_samples), num_tokens=int(num_tokens), num_trained_tokens=int(num_trained),
@@ -159,7 +167,7 @@ class Trainer:
             logprob_abs_diff=rl.logprob_abs_diff, mean_reward=reward_sum / max(num_samples, 1),
             elapsed_s=elapsed_s, skipped=skipped, rollout_kl_k3=rl.rollout_kl_k3, clip_fraction=rl.clip_fraction,
             dual_clip_fraction=rl.dual_clip_fraction, tis_truncated_fraction=rl.tis_truncated_fraction,
-            entropy=rl.entropy, pg_loss=pg_loss, kl=kl)
+            entropy=rl.entropy, pg_loss=pg_loss, kl=kl, num_forward_tokens=int(num_forward))
 
     def _check_share(self, samples: list[Trajectory], advantages: list[float],
                      config: TrainerConfig) -> list[TokenData]:

@@ -317,12 +317,12 @@ def test_load_tokenizer_errors(tmp_path: Path) -> None:
 
 
 def test_many_short_packed_samples_attend_padded_exactly_as_with_the_block_mask():
-    from miles_async.models.attention import DenseCausalAttention, PaddedLayout
+    from miles_async.models.attention import DenseCausalAttention, PaddedLayout, sample_starts
 
     gen = torch.Generator().manual_seed(0)
     lengths = [5, 3, 7, 1, 6, 4, 2, 5]
     positions_BT = torch.cat([torch.arange(n) for n in lengths])[None]
-    assert PaddedLayout(positions_BT).worth_it()
+    assert PaddedLayout(sample_starts(positions_BT)).worth_it()
     q, k, v = (torch.randn(1, sum(lengths), 4, 8, generator=gen, requires_grad=True) for _ in range(3))
     padded = DenseCausalAttention()(0, q, k, v, positions_BT)
     mask = packed_causal_mask(positions_BT)
@@ -333,3 +333,89 @@ def test_many_short_packed_samples_attend_padded_exactly_as_with_the_block_mask(
     reference_grads = torch.autograd.grad(reference.sum(), (q, k, v))
     for got, want in zip(grads, reference_grads):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prefix_documents_attend_as_each_sample_alone():
+    """Two documents: a 4-token trunk with branches of 3, 0 (the sample is the trunk itself) and
+    2 tokens, then a lone 5-token sample. Every token's output, and the gradients through them,
+    equal those of the samples run one by one."""
+    from miles_async.models.attention import DenseCausalAttention, shared_prefix_mask
+
+    gen = torch.Generator().manual_seed(0)
+    trunk, branches, lone = 4, [3, 0, 2], 5
+    rows = trunk + sum(branches) + lone
+    q, k, v = (torch.randn(1, rows, 4, 8, generator=gen, requires_grad=True) for _ in range(3))
+    positions = list(range(trunk))
+    labels = [0] * trunk
+    for b, n in enumerate(branches, start=1):
+        positions += range(trunk, trunk + n)
+        labels += [b] * n
+    positions += range(lone)
+    labels += [0] * lone
+    positions_BT, branches_BT = torch.tensor([positions]), torch.tensor([labels])
+    shared = DenseCausalAttention(branches_BT=branches_BT)(0, q, k, v, positions_BT)
+
+    def alone(rows_idx: list[int]) -> torch.Tensor:
+        index = torch.tensor(rows_idx)
+        sub = [x[:, index] for x in (q, k, v)]
+        return DenseCausalAttention()(0, *sub, torch.arange(len(rows_idx))[None])
+
+    starts = [trunk + sum(branches[:b]) for b in range(len(branches))]
+    samples = [list(range(trunk)) + list(range(s, s + n)) for s, n in zip(starts, branches)]
+    for sample in samples:  # each branch token (and the trunk) as in its own sample
+        torch.testing.assert_close(shared[:, sample], alone(sample), atol=1e-6, rtol=1e-5)
+    lone_rows = list(range(rows - lone, rows))
+    torch.testing.assert_close(shared[:, lone_rows], alone(lone_rows), atol=1e-6, rtol=1e-5)
+    weights = torch.randn(shared.shape, generator=gen)
+    grads = torch.autograd.grad((shared * weights).sum(), (q, k, v))
+    reference = sum((alone(s) * weights[:, s]).sum() for s in samples[:1]) + \
+        sum((alone(s)[:, trunk:] * weights[:, s[trunk:]]).sum() for s in samples[1:]) + \
+        (alone(lone_rows) * weights[:, lone_rows]).sum()
+    for got, want in zip(grads, torch.autograd.grad(reference, (q, k, v))):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    mask = shared_prefix_mask(torch.tensor([[0, 0, 1, 1, 2, -1]]))[0, 0]
+    assert mask.tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
+                             [1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 0, 1]]
+    with pytest.raises(ValueError, match="shared prefixes"):
+        DenseCausalAttention(batch_invariant=True, branches_BT=branches_BT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_grouped_matmul_attention_equals_sdpa_with_gradients(dtype: torch.dtype, masked: bool) -> None:
+    """The bf16 CPU training path (query heads grouped per kv head, fp32 scores) against SDPA on
+    expanded kv heads, forward and gradients; the masks are shared-prefix documents."""
+    from miles_async.models.attention import expand_kv, grouped_matmul_attention, shared_prefix_mask
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 6, 7, 16, generator=gen).to(dtype).requires_grad_()
+    k, v = (torch.randn(3, 2, 7, 16, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    mask = shared_prefix_mask(torch.tensor([[0, 0, 1, 1, 2, 2, -1]] * 3)) if masked else None
+    out = grouped_matmul_attention(q, k, v, mask)
+    expanded = [expand_kv(x.transpose(1, 2), 6).transpose(1, 2) for x in (k, v)]
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), expanded[0].float(), expanded[1].float(), attn_mask=mask, is_causal=mask is None)
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(out.float(), reference, **tolerance)
+    weights = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad((out.float() * weights).sum(), (q, k, v))
+    reference_grads = torch.autograd.grad((reference * weights).sum(), (q, k, v))
+    for got, want in zip(grads, reference_grads):
+        torch.testing.assert_close(got.float(), want.float(), **tolerance)
+
+
+def test_dense_attention_under_cpu_autocast_matches_fp32() -> None:
+    """Padded packed samples under bf16 autocast take the grouped matmul path; the result is the
+    fp32 attention's within bf16 rounding."""
+    from miles_async.models.attention import DenseCausalAttention
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [5, 3, 7, 1, 6, 4, 2, 5]
+    positions_BT = torch.cat([torch.arange(n) for n in lengths])[None]
+    q = torch.randn(1, sum(lengths), 4, 8, generator=gen)
+    k, v = (torch.randn(1, sum(lengths), 2, 8, generator=gen) for _ in range(2))
+    exact = DenseCausalAttention()(0, q, k, v, positions_BT)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = DenseCausalAttention()(0, q, k, v, positions_BT)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), exact, atol=3e-2, rtol=3e-2)

@@ -36,8 +36,8 @@ def meta(tokens: list[int], mask: list[int], *, prompt_id: int = 0, reward: floa
 
 def test_pack_restarts_positions_and_shifts_targets_within_each_sample() -> None:
     packed = pack([sample([5, 6, 7], [0, 1, 1]), sample([8, 9], [0, 1])], [2.0, -1.0])
-    assert packed.input_ids_1T.tolist() == [[5, 6, 7, 8, 9]]
-    assert packed.positions_1T.tolist() == [[0, 1, 2, 0, 1]]
+    assert packed.input_ids_1R.tolist() == [[5, 6, 7, 8, 9]]
+    assert packed.positions_1R.tolist() == [[0, 1, 2, 0, 1]]
     assert packed.targets_T.tolist() == [6, 7, 0, 9, 0]  # never a target across samples
     assert packed.loss_mask_T.tolist() == [1, 1, 0, 1, 0]
     assert packed.rollout_logprobs_T.tolist() == [-6, -7, 0, -9, 0]
@@ -70,7 +70,7 @@ def test_packed_forward_equals_separate_forwards() -> None:
     a, b = sample([3, 4, 5, 6], [0, 1, 1, 1]), sample([7, 8, 9], [0, 1, 1])
     packed = pack([a, b], [1.0, 1.0])
     with torch.no_grad():
-        logits = model(packed.input_ids_1T, packed.positions_1T)[0]
+        logits = model(packed.input_ids_1R, packed.positions_1R)[0]
         alone = torch.cat([model(torch.tensor([s.token_ids().tolist()]))[0] for s in (a, b)])
     torch.testing.assert_close(logits, alone, rtol=1e-5, atol=1e-5)
 
@@ -221,7 +221,7 @@ def test_packed_routed_experts_are_replayed() -> None:
         assert samples[0].experts_dtype == "uint8"  # 8 experts: one byte each
         packed = pack(samples, [0.0, 0.0], moe_shape=(2, 2))
         assert packed.routed_experts_L1Tk is not None and packed.routed_experts_L1Tk.shape == (2, 1, 7, 2)
-        logits = model(packed.input_ids_1T, packed.positions_1T, routed_experts=packed.routed_experts_L1Tk)[0]
+        logits = model(packed.input_ids_1R, packed.positions_1R, routed_experts=packed.routed_experts_L1Tk)[0]
     trained = packed.loss_mask_T.bool()  # the padded last token trains nothing; the rest match
     torch.testing.assert_close(logits[trained], torch.cat(alone)[trained], rtol=1e-5, atol=1e-5)
     assert pack(samples, [0.0, 0.0]).routed_experts_L1Tk is None  # a dense model ignores them
@@ -229,3 +229,66 @@ def test_packed_routed_experts_are_replayed() -> None:
         pack([samples[0], sample([1, 2], [0, 1])], [0.0, 0.0], moe_shape=(2, 2))
     with pytest.raises(ValueError, match="the model has 3 MoE layers"):
         pack([samples[0]], [0.0], moe_shape=(3, 2))
+
+
+def test_pack_runs_each_groups_common_prefix_once() -> None:
+    a, b = sample([1, 2, 3, 4, 5], [0, 0, 1, 1, 1]), sample([1, 2, 3, 7], [0, 0, 1, 1])
+    c = sample([1, 2, 3], [0, 0, 1])  # the whole sample is the common prefix: an empty branch
+    lone = sample([9, 8], [0, 1])
+    packed = pack([a, lone, b, c], [1.0, 2.0, 3.0, 4.0], groups=["g", "h", "g", "g"])
+    # documents in order of first appearance: g's trunk [1, 2, 3] then branches [4, 5], [7], []; h alone
+    assert packed.input_ids_1R.tolist() == [[1, 2, 3, 4, 5, 7, 9, 8]]
+    assert packed.positions_1R.tolist() == [[0, 1, 2, 3, 4, 3, 0, 1]]
+    assert packed.branches_1R is not None and packed.branches_1R.tolist() == [[0, 0, 0, 1, 1, 2, 0, 0]]
+    assert packed.hidden_rows_T is not None
+    # the per-sample slots are those of the plain packing; each reads its token's row
+    assert packed.hidden_rows_T.tolist() == [0, 1, 2, 3, 4, 6, 7, 0, 1, 2, 5, 0, 1, 2]
+    plain = pack([a, lone, b, c], [1.0, 2.0, 3.0, 4.0])
+    for name in ("targets_T", "loss_mask_T", "rollout_logprobs_T", "advantages_T", "sample_T"):
+        assert torch.equal(getattr(packed, name), getattr(plain, name)), name
+    assert plain.branches_1R is None and plain.hidden_rows_T is None and packed.num_tokens == 8 < plain.num_tokens
+    # nothing in common (or one sample per group): the plain layout
+    assert pack([a, lone], [0.0, 0.0], groups=["g", "g"]).branches_1R is None
+    assert pack([a, b], [0.0, 0.0], groups=["g", "h"]).branches_1R is None
+    with pytest.raises(ValueError, match="1 group keys for 2 samples"):
+        pack([a, b], [0.0, 0.0], groups=["g"])
+
+
+@pytest.mark.parametrize("objective", ["rl", "sft"])
+def test_shared_prefixes_give_the_plain_packings_loss_and_gradients(objective: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 64, (n,), generator=gen).tolist() for n in (6, 4)]
+    samples, groups, advantages = [], [], []
+    for g, prompt in enumerate(prompts):
+        for s in range(3):
+            answer = torch.randint(1, 64, (2 + s,), generator=gen).tolist()
+            tokens = prompt + answer
+            samples.append(TokenData.build(tokens=tokens, loss_mask=[0] * len(prompt) + [1] * len(answer),
+                                           logprobs=[0.0] * len(prompt) + [-3.0] * len(answer)))
+            groups.append(g)
+            advantages.append(float(s) - 1.0)
+    config = TrainerConfig(model_dir="m", objective=objective, logprob_chunk_tokens=5,
+                           policy_loss=PolicyLossConfig(tis_cap=2.0, entropy_coef=0.01))
+    results = []
+    for share in (False, True):
+        model = tiny_model()
+        attach_logprobs(model, config)
+        batch = pack(samples, advantages, groups=groups if share else None)
+        assert (batch.branches_1R is not None) == share
+        out = micro_batch_loss(model, batch, config, 21.0, torch.device("cpu"))
+        out.loss.backward()
+        results.append((out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (plain, plain_grads), (shared, shared_grads) = results
+    torch.testing.assert_close(shared.loss, plain.loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(shared.sums_K, plain.sums_K, atol=1e-6, rtol=1e-5)
+    assert plain_grads.keys() == shared_grads.keys() and len(plain_grads) > 0
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_routed_expert_replay_packs_each_sample_alone() -> None:
+    experts = torch.zeros(3, 2, 2, dtype=torch.uint8).numpy()
+    with_experts = [TokenData.build(tokens=[1, 2, t], loss_mask=[0, 1, 1], logprobs=[0.0] * 3, routed_experts=experts)
+                    for t in (3, 4)]
+    packed = pack(with_experts, [0.0, 0.0], moe_shape=(2, 2), groups=[0, 0])
+    assert packed.branches_1R is None and packed.num_tokens == 6
