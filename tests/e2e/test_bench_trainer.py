@@ -1,6 +1,7 @@
 """`miles-async bench trainer` runs end to end on SmolLM2-135M at a tiny size and prints one JSON
 object: ours and transformers' step in both precisions, each with its fraction of the measured
-matmul peak (no speed asserted). Slow: it loads the real model four times (~1 min on 2 cores)."""
+matmul peak, and the RL-shaped workload's three sides (no speed asserted). Slow: each loads the
+real model several times (~1 min each on 2 cores)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,24 @@ def test_bench_trainer_prints_both_sides_in_both_precisions():
             assert row[side]["tokens_per_s"] > 0 and 0 < row[side]["fraction_of_matmul_peak"] < 1.5
         assert row["ratio_ours_over_transformers"] > 0
     assert result["matmul_flops_per_s"]["float32"] > 0
+
+
+@pytest.mark.timeout(400)
+def test_bench_trainer_grpo_workload_times_shared_unshared_and_padded_steps():
+    if (reason := smollm2.unavailable()) is not None:
+        pytest.skip(reason)
+    done = subprocess.run([sys.executable, "-m", "miles_async.launch.cli", "bench", "trainer", "--json", "--workload",
+                           "grpo", "--groups", "2", "--group-size", "2", "--prompt-len", "6", "--steps", "1",
+                           "--threads", "1", "--precisions", "bf16_autocast"],
+                          capture_output=True, text=True, timeout=380, check=False)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    workload = result["workload"]
+    assert workload["kind"] == "grpo" and workload["tokens_per_step"] < workload["padded_tokens_per_step"]
+    row = result["precisions"]["bf16_autocast"]
+    for side in ("ours", "ours_unshared", "transformers"):
+        assert row[side]["tokens_per_s"] > 0
+    assert row["ratio_ours_over_transformers"] > 0 and row["ratio_ours_over_unshared"] > 0
 
 
 def test_bench_trainer_refuses_an_unknown_precision():

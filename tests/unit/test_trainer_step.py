@@ -329,3 +329,24 @@ def test_a_collective_failure_names_the_rank_that_died_not_the_peer_it_broke() -
     with pytest.raises(RuntimeError, match="Connection reset"):
         asyncio.run(every_rank([reply(0, 0.0), fail(reset, 0.0)]))
     assert asyncio.run(every_rank([reply(0, 0.05), reply(1, 0.0)])) == [0, 1]
+
+
+def test_a_groups_shared_prompt_runs_once_and_trains_the_same(trainer: Trainer) -> None:
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 250, (9,), generator=gen).tolist() for _ in range(2)]
+    samples = [sample(prompt + torch.randint(1, 250, (2 + i,), generator=gen).tolist(), [0] * 9 + [1] * (2 + i),
+                      [-5.0] * (11 + i), reward=float(i % 2), prompt_id=p) for p, prompt in enumerate(prompts)
+               for i in range(4)]
+    results = []
+    for share in (True, False):
+        config = TrainerConfig(model_dir=trainer.config.model_dir, lr=1e-3, micro_batch_tokens=512,
+                               share_prefixes=share)
+        ranked = Trainer(config, trainer.device)
+        results.append([step(ranked, samples, advantage=None) for _ in range(2)])
+    (shared, shared_next), (plain, plain_next) = results
+    assert plain.num_forward_tokens == plain.num_tokens == sum(11 + i for i in range(4)) * 2
+    assert shared.num_forward_tokens == plain.num_tokens - 2 * 3 * 9  # each prompt once, not 4 times
+    assert shared.loss == pytest.approx(plain.loss, rel=1e-5) and shared.grad_norm == pytest.approx(plain.grad_norm, rel=1e-4)
+    # (not the weights element by element: Adam's first update is about lr * sign(gradient), which
+    # a float-rounding difference flips where a gradient is ~0; the next step's loss sees the whole)
+    assert shared_next.loss == pytest.approx(plain_next.loss, rel=1e-3)
