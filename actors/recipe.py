@@ -182,7 +182,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         task_config(self.task)  # [task.config] fits the plug-in's Config
 
 
-def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def set_key(tree: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = tree
     for key in parents:
@@ -206,7 +206,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _check_keys(tree: dict[str, Any], cls: type, where: str) -> None:
+def check_keys(tree: dict[str, Any], cls: type, where: str) -> None:
     """Unknown keys fail by their path with the valid ones; keys the run derives name their source."""
     fields = {f.encode_name: f for f in msgspec.structs.fields(cls)}
     for key, value in tree.items():
@@ -218,11 +218,12 @@ def _check_keys(tree: dict[str, Any], cls: type, where: str) -> None:
             raise ValueError(f"unknown key {path!r}; {cls.__name__} has: {', '.join(fields)}")
         kind = field.type
         if isinstance(value, dict) and isinstance(kind, type) and issubclass(kind, msgspec.Struct):
-            _check_keys(value, kind, f"{path}.")
+            check_keys(value, kind, f"{path}.")
 
 
-def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read a recipe (None: all defaults) and apply overrides; ValueError naming the bad key."""
+def read_recipe_tree(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """A recipe file's TOML (None: empty) with `key=value` overrides applied, as plain data;
+    ValueError naming a missing or unreadable file or a bad override."""
     tree: dict[str, Any] = {}
     if path is not None:
         try:
@@ -232,8 +233,14 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str
         except msgspec.DecodeError as e:
             raise ValueError(f"recipe {path} is not valid TOML: {e}") from e
     for text in overrides:
-        _set(tree, *parse_override(text))
-    _check_keys(tree, RunConfig, "")
+        set_key(tree, *parse_override(text))
+    return tree
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a recipe (None: all defaults) and apply overrides; ValueError naming the bad key."""
+    tree = read_recipe_tree(path, overrides)
+    check_keys(tree, RunConfig, "")
     try:
         return msgspec.convert(tree, RunConfig)
     except msgspec.ValidationError as e:

@@ -9,7 +9,8 @@
 
 Consumes: `TrainStep` (this rank's share of a batch, planned by `TrainerGroup.train` with
 `packing.plan_step`: the samples' token arrays stay in the data plane until the rank reads
-them), `ExportWeights`, `SaveCheckpoint`, `LoadCheckpoint`. Every one of them is a collective, so
+them), `EvalLoss` (a held-out SFT loss, no update), `ExportWeights`, `SaveCheckpoint`,
+`LoadCheckpoint`. Every one of them is a collective, so
 the caller sends one to every rank (`TrainerGroup` does) and each rank's reply is the same.
 Produces: metrics and a weight version per step; full weights as safetensors files.
 
@@ -99,6 +100,15 @@ class TrainStep(Message[StepMetrics], frozen=True):
     data_cursor: int = -1  # -1 leaves the cursor as it is
     objective: str = ""  # "" = the config's; "sft" for warm-start steps before RL
     lr: float = 0.0  # 0 = the config's
+
+
+class EvalLoss(Message[float], frozen=True):
+    """The SFT loss of this rank's share of a batch at the current weights, no update (a
+    collective like `TrainStep`; every rank replies the whole batch's loss)."""
+
+    samples: list[Trajectory]
+    num_micro_batches: int
+    denominator: float
 
 
 class ExportWeights(Message[WeightManifest], frozen=True):
@@ -216,6 +226,12 @@ class TrainerRank(Actor):
             self.trainer.train_step, samples, msg.advantages, num_micro_batches=msg.num_micro_batches,
             denominator=msg.denominator, data_cursor=None if msg.data_cursor < 0 else msg.data_cursor,
             objective=msg.objective or None, lr=msg.lr or None))
+
+    @handler
+    async def eval_loss(self, msg: EvalLoss) -> float:
+        samples = [await self._resolve(s) for s in msg.samples]
+        return await self._on_torch_thread(functools.partial(
+            self.trainer.eval_loss, samples, num_micro_batches=msg.num_micro_batches, denominator=msg.denominator))
 
     async def _resolve(self, sample: Trajectory) -> Trajectory:
         """`sample` with its token arrays inline, read from the data plane that holds them."""
@@ -386,6 +402,16 @@ class TrainerGroup:
                            data_cursor=data_cursor, objective=objective, lr=lr) for indices in plan.per_rank]
         replies = await every_rank([ref.ask(step, timeout_s=timeout_s) for ref, step in zip(self.refs, steps)])
         return replies[0]
+
+    async def eval_loss(self, samples: list[Trajectory], *, timeout_s: float) -> float:
+        """The SFT loss of `samples` at the current weights (no update), aggregated as a step's."""
+        config = self.config
+        plan = plan_step(samples, len(self.refs), config.micro_batch_tokens, config.policy_loss.aggregation, None)
+        asks: list[Awaitable[float]] = [
+            ref.ask(EvalLoss(samples=[samples[i] for i in indices], num_micro_batches=plan.num_micro_batches,
+                             denominator=plan.denominator), timeout_s=timeout_s)
+            for ref, indices in zip(self.refs, plan.per_rank)]
+        return (await every_rank(asks))[0]
 
     async def ask_all(self, msg: Message[R], timeout_s: float) -> list[R]:
         """Send `msg` to every rank; the replies in rank order (a failure of any rank raises, see `every_rank`)."""

@@ -1,20 +1,23 @@
 """The SFT warm start before RL (the recipe's `[sft]`): train on the task's own examples until the
 policy solves some held-out items by sampling.
 
-    task.sft_examples(items) ──TokenData──► data plane ──Trajectory refs──► TrainerGroup.train(objective="sft")
+    task.sft_examples(items) ──sft_step: TokenData──► data plane ──Trajectory refs──► TrainerGroup.train(objective="sft")
           every probe_every steps: push the weights, score probe items at temperature 1 (Evaluator.score)
           stop at target_accuracy, at max_steps, or when the run is asked to stop
 
 Why a warm start: GRPO learns only from groups whose rewards differ; a random model never answers
 right, so every group scores 0 and is filtered. A short SFT to a sampled accuracy of 0.1-0.3 is
 where GRPO learns fastest on the demo tasks (shared/peers/rl-demo-calibration.md).
+
+Each step is `sft_step`, the one SFT step of `miles-async sft` too (actors/sft.py: SFT as a mode of
+its own, from a data file, ending in a model folder a recipe's `model.path` can start from).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -24,6 +27,7 @@ from miles_async.actors.trainer import TrainerGroup
 from miles_async.observe import Progress
 from miles_async.runtime.dataplane import DataPlane
 from miles_async.task import Task
+from miles_async.trainer.step import StepMetrics
 from miles_async.trajectory import TokenData, Trajectory, blobs, encode_data
 
 log = logging.getLogger("miles_async.actors.warmstart")
@@ -46,10 +50,11 @@ class WarmStartConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
                              f"{self.max_steps}, {self.batch_size}, {self.probe_every}, {self.num_probe}")
 
 
-def sft_samples(task: Task, items: list[Any]) -> list[Trajectory]:
-    """The task's SFT examples of `items` as samples, their arrays inline."""
+def as_samples(examples: Sequence[tuple[list[int], list[int]]]) -> list[Trajectory]:
+    """(token ids, loss mask) examples as trainer samples, their arrays inline (each a group of its
+    own: SFT examples share no prompt)."""
     samples = []
-    for i, (tokens, mask) in enumerate(task.sft_examples(items)):
+    for i, (tokens, mask) in enumerate(examples):
         num_generated = sum(1 for m in mask if m)
         first = list(mask).index(1) if num_generated else len(tokens)
         samples.append(Trajectory(prompt_id=i, num_tokens=len(tokens), num_prompt_tokens=first,
@@ -62,6 +67,17 @@ def into_dataplane(samples: list[Trajectory], dataplane: DataPlane) -> list[Traj
     """`samples` with their inline arrays moved into `dataplane` (what a message may carry)."""
     return [msgspec.structs.replace(s, data=dataplane.put(encode_data(s.data))) if isinstance(s.data, TokenData)
             else s for s in samples]
+
+
+async def sft_step(trainer: TrainerGroup, dataplane: DataPlane, examples: Sequence[tuple[list[int], list[int]]], *,
+                   lr: float, data_cursor: int = -1) -> StepMetrics:
+    """One SFT step on `examples` (token ids, loss mask), through the data plane to the trainer's
+    ranks: the step of the warm start and of `miles-async sft` (actors/sft.py)."""
+    samples = into_dataplane(await asyncio.to_thread(as_samples, examples), dataplane)
+    try:
+        return await trainer.train(samples, objective="sft", lr=lr, data_cursor=data_cursor, timeout_s=ASK_S)
+    finally:
+        dataplane.free(blobs(samples))
 
 
 async def warm_start(config: WarmStartConfig, *, task: Task, dataset: list[Any], probe: list[Any],
@@ -79,12 +95,8 @@ async def warm_start(config: WarmStartConfig, *, task: Task, dataset: list[Any],
         for step in range(1, config.max_steps + 1):
             start = (step - 1) * config.batch_size
             items = [dataset[(start + i) % len(dataset)] for i in range(config.batch_size)]
-            built = await asyncio.to_thread(sft_samples, task, items)  # rendering is work: off the loop
-            samples = into_dataplane(built, dataplane)
-            try:
-                metrics = await trainer.train(samples, objective="sft", lr=config.lr, timeout_s=ASK_S)
-            finally:
-                dataplane.free(blobs(samples))
+            examples = await asyncio.to_thread(task.sft_examples, items)  # rendering is work: off the loop
+            metrics = await sft_step(trainer, dataplane, examples, lr=config.lr)
             on_version(metrics.weight_version)
             if step % config.probe_every == 0 or step == config.max_steps:
                 await push()

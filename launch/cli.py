@@ -20,6 +20,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from miles_async import __version__
 
@@ -116,35 +117,43 @@ def _serve_engine(args: argparse.Namespace, extra: list[str]) -> int:
                         device=args.device)
 
 
-def _run(args: argparse.Namespace, extra: list[str]) -> int:
-    """`miles-async run RECIPE`: the whole loop on this node (actors/controller.py)."""
+def _run_folder(verb: str, args: argparse.Namespace, load: Callable[[str, list[str]], Any]) -> tuple[Any, Any] | None:
+    """The recipe (`load(path, overrides)`) and the run folder of `run`/`sft`, logging set up; None
+    after saying on stderr what is wrong (a resume without --out, a bad recipe, a folder in use)."""
     import logging
     import time
     from pathlib import Path
 
-    import msgspec
+    if args.resume and not args.out:
+        print(f"{PROG} {verb}: --resume needs --out DIR (the run to continue)", file=sys.stderr)
+        return None
+    try:
+        recipe = load(args.recipe, args.overrides)
+    except ValueError as e:
+        print(f"{PROG} {verb}: {e}", file=sys.stderr)
+        return None
+    out = Path(args.out or Path("runs") / f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if not args.resume and (out / "metrics.jsonl").exists():
+        print(f"{PROG} {verb}: {out} already holds a run; continue it with --resume, or choose another --out",
+              file=sys.stderr)
+        return None
+    logging.basicConfig(level=log_level(args), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    print(f"{PROG} {verb}: {args.recipe} -> {out}", file=sys.stderr)
+    return recipe, out
 
+
+def _run(args: argparse.Namespace, extra: list[str]) -> int:
+    """`miles-async run RECIPE`: the whole loop on this node (actors/controller.py)."""
     from miles_async.actors.controller import RunLostError, RunSetupError
     from miles_async.actors.controller import run as run_loop
     from miles_async.actors.recipe import load_recipe
     from miles_async.runtime import SpawnError
     from miles_async.runtime import run as run_async
 
-    if args.resume and not args.out:
-        print(f"{PROG} run: --resume needs --out DIR (the run to continue)", file=sys.stderr)
+    prepared = _run_folder("run", args, load_recipe)
+    if prepared is None:
         return 2
-    try:
-        config = load_recipe(args.recipe, args.overrides)
-    except ValueError as e:
-        print(f"{PROG} run: {e}", file=sys.stderr)
-        return 2
-    out = Path(args.out or Path("runs") / f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if not args.resume and (out / "metrics.jsonl").exists():
-        print(f"{PROG} run: {out} already holds a run; continue it with --resume, or choose another --out",
-              file=sys.stderr)
-        return 2
-    logging.basicConfig(level=log_level(args), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    print(f"{PROG} run: {args.recipe} -> {out}", file=sys.stderr)
+    config, out = prepared
 
     def said(attempt: int, error: RunLostError) -> None:
         print(f"{PROG} run: {restart_line(attempt, args.max_restarts, error)}", file=sys.stderr)
@@ -159,13 +168,47 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"{PROG} run: the run cannot start: {e}", file=sys.stderr)
         return 2
     except SpawnError as e:  # a process of the run could not start: its own error, not our traceback
-        print(f"{PROG} run: the run could not start: {e.actor} failed: {e.cause.type}: {e.cause.message}",
-              file=sys.stderr)
-        return 1
+        return _spawn_failed("run", e)
+    return _summary(out, result)
+
+
+def _spawn_failed(verb: str, error: Any) -> int:
+    print(f"{PROG} {verb}: the run could not start: {error.actor} failed: {error.cause.type}: {error.cause.message}",
+          file=sys.stderr)
+    return 1
+
+
+def _summary(out: Any, result: Any) -> int:
+    """Print a run's result (and write it to `out/summary.json`); its exit status."""
+    import msgspec
+
     summary = msgspec.json.encode(result).decode()
     (out / "summary.json").write_text(summary)
     print(summary)
     return 130 if result.interrupted else 0
+
+
+def _sft(args: argparse.Namespace, extra: list[str]) -> int:
+    """`miles-async sft RECIPE`: supervised fine-tuning on the trainer ranks (actors/sft.py)."""
+    from miles_async.actors.sft import SFTRun, load_sft_recipe
+    from miles_async.runtime import SpawnError
+    from miles_async.runtime import run as run_async
+
+    prepared = _run_folder("sft", args, load_sft_recipe)
+    if prepared is None:
+        return 2
+    recipe, out = prepared
+    sft = SFTRun(recipe, out, resume=args.resume, progress=not args.quiet)
+    try:
+        sft.prepare()
+    except ValueError as e:  # the data file or the model folder
+        print(f"{PROG} sft: the run cannot start: {e}", file=sys.stderr)
+        return 2
+    try:
+        result = run_async(sft.run())
+    except SpawnError as e:
+        return _spawn_failed("sft", e)
+    return _summary(out, result)
 
 
 def log_level(args: argparse.Namespace) -> int:
@@ -233,6 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="key=value",
         help="override a config field by dotted path",
     )
+
+    sft = _add_verb(verbs, "sft", "supervised fine-tuning from a data file, on the trainer ranks", _sft)
+    sft.add_argument("recipe", metavar="RECIPE.toml", help="the SFT recipe ([model], [data], [loop], [trainer])")
+    sft.add_argument("--out", metavar="DIR", help="run directory (default: a new folder under runs/)")
+    sft.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    sft.add_argument("--quiet", action="store_true", help="no progress lines, warnings only")
+    sft.add_argument("--verbose", action="store_true", help="debug logging")
+    sft.add_argument("overrides", nargs="*", type=_key_value, metavar="key=value",
+                     help="override a config field by dotted path")
 
     launch = _add_verb(verbs, "launch", "start this node's part of a multi-node run (one launcher per node)", _launch)
     launch.add_argument("--nnodes", type=int, required=True, metavar="N", help="number of nodes")

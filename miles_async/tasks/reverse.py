@@ -42,9 +42,11 @@ Try it:
 
 from __future__ import annotations
 
+import json
 import random
 import zlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
 
 import msgspec
@@ -130,6 +132,16 @@ def prompts(config: ReverseTaskConfig, count: int, tokenizer: TextTokenizer, spl
     Raises ValueError if the split cannot supply `count` distinct words (widen the alphabet or the
     lengths, or ask for fewer).
     """
+    out = []
+    for word in words(config, count, split):
+        text = prompt_text(word)
+        out.append(Prompt(prompt_id=_word_index(config, word), text=text, input_ids=list(tokenizer.encode(text)),
+                          answer=word[::-1]))
+    return out
+
+
+def words(config: ReverseTaskConfig, count: int, split: Split = "train") -> list[str]:
+    """The words of `prompts(config, count, tokenizer, split)`, in the same order (no tokenizer needed)."""
     if split not in ("train", "probe"):
         raise ValueError(f"split must be 'train' or 'probe', got {split!r}")
     if count < 0:
@@ -143,7 +155,7 @@ def prompts(config: ReverseTaskConfig, count: int, tokenizer: TextTokenizer, spl
     # Rejection sampling: bounded so that an impossible request fails instead of spinning.
     max_draws = 64 * count + 1024
     seen: set[str] = set()
-    out: list[Prompt] = []
+    out: list[str] = []
     for _ in range(max_draws):
         if len(out) == count:
             break
@@ -153,13 +165,22 @@ def prompts(config: ReverseTaskConfig, count: int, tokenizer: TextTokenizer, spl
         if word in seen or _split_of(config, word) != split:
             continue
         seen.add(word)
-        text = prompt_text(word)
-        out.append(Prompt(prompt_id=_word_index(config, word), text=text,
-                          input_ids=list(tokenizer.encode(text)), answer=word[::-1]))
+        out.append(word)
     if len(out) < count:
         raise ValueError(f"found only {len(out)} distinct {split} words of {count} asked for in {max_draws} draws; "
                          "widen the alphabet or the lengths, or ask for fewer")
     return out
+
+
+def write_sft_pairs(path: str | Path, count: int, config: ReverseTaskConfig | None = None) -> int:
+    """Write the first `count` train-split prompts with their answers as JSONL prompt/response
+    pairs, the data file of `miles-async sft` (read with `data.chat_template = false`, they encode
+    as `sft_examples` does); the number written. recipes/data/reverse-sft.jsonl is
+    `write_sft_pairs("recipes/data/reverse-sft.jsonl", 4000)`."""
+    lines = "".join(json.dumps({"prompt": prompt_text(word), "response": word[::-1]}) + "\n"
+                    for word in words(config or ReverseTaskConfig(), count))
+    Path(path).write_text(lines)
+    return count
 
 
 def sft_examples(prompts: Sequence[Prompt], tokenizer: TextTokenizer) -> list[SFTExample]:

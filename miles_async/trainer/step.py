@@ -169,6 +169,23 @@ class Trainer:
             dual_clip_fraction=rl.dual_clip_fraction, tis_truncated_fraction=rl.tis_truncated_fraction,
             entropy=rl.entropy, pg_loss=pg_loss, kl=kl, num_forward_tokens=int(num_forward))
 
+    def eval_loss(self, samples: list[Trajectory], *, num_micro_batches: int, denominator: float) -> float:
+        """The SFT loss of this rank's share at the current weights, summed over ranks (a collective
+        when world_size > 1); no gradient, no update. The same number a train step on the same
+        share would report as its loss before updating."""
+        config = msgspec.structs.replace(self.config, objective="sft")
+        data = self._check_share(samples, [0.0] * len(samples), config)
+        total = torch.zeros((), dtype=torch.float64)
+        with torch.no_grad():
+            for indices in micro_batches(samples, config.micro_batch_tokens, num_micro_batches):
+                packed = pack([data[i] for i in indices], [0.0] * len(indices), self.moe_shape)
+                total += micro_batch_loss(self.model, packed, config, denominator, self.device).loss.double().cpu()
+        if self.world_size > 1:
+            reduced = total.to(self.device)
+            dist.all_reduce(reduced)
+            total = reduced.cpu()
+        return float(total)
+
     def _check_share(self, samples: list[Trajectory], advantages: list[float],
                      config: TrainerConfig) -> list[TokenData]:
         """The share's token arrays; ValueError naming what is wrong with it."""

@@ -162,7 +162,7 @@ def test_one_and_two_ranks_train_and_agree(model_dir: Path, tmp_path: Path) -> N
     samples = batch()
 
     async def run_world(system: ActorSystem, refs: list[Trajectory],
-                        world_size: int) -> tuple[list[StepMetrics], dict[str, torch.Tensor]]:
+                        world_size: int) -> tuple[list[StepMetrics], dict[str, torch.Tensor], float]:
         out = tmp_path / f"ws{world_size}"
         cfg = trainer_config(model_dir, out)
         group = await TrainerGroup.spawn(system, cfg, world_size, name=f"ws{world_size}", rank_cls=RecordingTrainerRank)
@@ -171,6 +171,7 @@ def test_one_and_two_ranks_train_and_agree(model_dir: Path, tmp_path: Path) -> N
         assert manifest.weight_version == num_steps
         assert len(manifest.buckets) > 1  # 64 KiB buckets split the tiny model
         reports: list[ShareReport] = await group.ask_all(Shares(), ASK_S)
+        heldout = await group.eval_loss(refs, timeout_s=ASK_S)  # the SFT loss at the trained weights, reduced
         await group.stop()
         # Each rank was sent only its planned share, as references, and read exactly those blobs.
         plan = plan_step(samples, world_size, cfg.micro_batch_tokens, cfg.policy_loss.aggregation, cfg.advantage)
@@ -184,12 +185,13 @@ def test_one_and_two_ranks_train_and_agree(model_dir: Path, tmp_path: Path) -> N
         for m in metrics:  # counts are all-reduced: the whole batch, not a share
             assert (m.num_samples, m.num_tokens, m.num_trained_tokens) == (6, sum(LENGTHS), sum(LENGTHS) - 4 * 6)
             assert m.mean_reward == pytest.approx(0.5) and m.num_micro_batches == plan.num_micro_batches
-        return metrics, read_weights(manifest)
+        return metrics, read_weights(manifest), heldout
 
     async def main() -> None:
         async with ActorSystem(config=config("ipc")) as system:
             refs = by_reference(samples, system.dataplane)  # this process's data plane: the ranks read from it
-            (m1, w1), (m2, w2) = await asyncio.gather(run_world(system, refs, 1), run_world(system, refs, 2))
+            (m1, w1, h1), (m2, w2, h2) = await asyncio.gather(run_world(system, refs, 1), run_world(system, refs, 2))
+            assert h1 > 0 and h2 == pytest.approx(h1, rel=1e-4)  # one rank's loss or two ranks' shares reduced
             system.dataplane.free([s.data for s in refs if isinstance(s.data, BlobRef)])
         for metrics in (m1, m2):
             losses = [m.loss for m in metrics]

@@ -29,7 +29,7 @@ def test_help_lists_every_verb() -> None:
     result = miles_async("--help")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: miles-async")
-    for verb in ("run", "launch", "serve", "sim", "bench", "init-model", "plot"):
+    for verb in ("run", "sft", "launch", "serve", "sim", "bench", "init-model", "plot"):
         assert verb in result.stdout
 
 
@@ -41,7 +41,7 @@ def test_version() -> None:
 
 @pytest.mark.parametrize(
     "verb",
-    ["run", "launch", "serve", "serve engine", "serve session", "sim", "bench", "init-model", "plot"],
+    ["run", "sft", "launch", "serve", "serve engine", "serve session", "sim", "bench", "init-model", "plot"],
 )
 def test_help_of_each_verb(verb: str) -> None:
     result = miles_async(*verb.split(), "--help")
@@ -53,6 +53,8 @@ def test_help_of_each_verb(verb: str) -> None:
     ("run nowhere.toml --out runs/x", "miles-async run: recipe nowhere.toml does not exist"),
     ("run nowhere.toml loop.num_stepz=3", "does not exist"),
     ("run nowhere.toml --resume", "--resume needs --out DIR"),
+    ("sft nowhere.toml --out runs/x", "miles-async sft: recipe nowhere.toml does not exist"),
+    ("sft nowhere.toml --resume", "miles-async sft: --resume needs --out DIR"),
     ("plot no/such/run", "miles-async plot:"),
     ("sim no/such/trace.jsonl", "miles-async sim:"),
     ("launch --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 recipe.toml",

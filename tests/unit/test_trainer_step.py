@@ -76,7 +76,8 @@ def test_rank_env_needs_all_torchrun_variables(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_actor_declares_its_handlers() -> None:
-    assert TrainerRank.handler_table().names == ["ExportWeights", "LoadCheckpoint", "SaveCheckpoint", "TrainStep"]
+    assert TrainerRank.handler_table().names == ["EvalLoss", "ExportWeights", "LoadCheckpoint", "SaveCheckpoint",
+                                                 "TrainStep"]
 
 
 def test_steps_lower_the_loss_and_report_metrics(trainer: Trainer) -> None:
@@ -350,3 +351,17 @@ def test_a_groups_shared_prompt_runs_once_and_trains_the_same(trainer: Trainer) 
     # (not the weights element by element: Adam's first update is about lr * sign(gradient), which
     # a float-rounding difference flips where a gradient is ~0; the next step's loss sees the whole)
     assert shared_next.loss == pytest.approx(plain_next.loss, rel=1e-3)
+
+
+def test_eval_loss_is_the_steps_sft_loss_without_an_update(trainer: Trainer) -> None:
+    samples = batch()
+    config = trainer.config
+    plan = plan_step(samples, 1, config.micro_batch_tokens, config.policy_loss.aggregation, None)
+    before = trainer.full_state()
+    version = trainer.weight_version
+    held_out = trainer.eval_loss(samples, num_micro_batches=plan.num_micro_batches, denominator=plan.denominator)
+    assert trainer.weight_version == version
+    assert all(torch.equal(before[k], v) for k, v in trainer.full_state().items())  # nothing moved
+    stepped = trainer.train_step(samples, [0.0] * len(samples), num_micro_batches=plan.num_micro_batches,
+                                 denominator=plan.denominator, objective="sft")
+    assert held_out == pytest.approx(stepped.loss, rel=1e-6) and held_out > 0
