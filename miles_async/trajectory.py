@@ -63,11 +63,13 @@ class TokenData(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     experts_dtype: Literal["", "uint8", "int16", "int32"] = ""
     experts_shape: tuple[int, int] = (0, 0)  # (L, k)
     ref_logprobs: bytes = b""  # float32 [T]: a reference policy's log-probs (KL term); empty: none
+    teacher_logprobs: bytes = b""  # float32 [T]: a teacher's log-probs of the same tokens (distillation); empty: none
 
     @classmethod
     def build(cls, *, tokens: Sequence[int] | np.ndarray, loss_mask: Sequence[int] | np.ndarray,
               logprobs: Sequence[float] | np.ndarray, routed_experts: np.ndarray | None = None,
-              ref_logprobs: Sequence[float] | np.ndarray | None = None) -> TokenData:
+              ref_logprobs: Sequence[float] | np.ndarray | None = None,
+              teacher_logprobs: Sequence[float] | np.ndarray | None = None) -> TokenData:
         """From per-token sequences; `routed_experts` an integer array [R, L, k] (any int dtype)."""
         experts, shape = b"", (0, 0)
         dtype: Literal["", "uint8", "int16", "int32"] = ""
@@ -81,7 +83,9 @@ class TokenData(msgspec.Struct, frozen=True, kw_only=True, tag=True):
         data = cls(tokens=np.asarray(tokens, dtype="<i4").tobytes(), loss_mask=np.asarray(loss_mask, dtype=np.uint8).tobytes(),
                    logprobs=np.asarray(logprobs, dtype="<f4").tobytes(), routed_experts=experts,
                    experts_dtype=dtype, experts_shape=shape,
-                   ref_logprobs=b"" if ref_logprobs is None else np.asarray(ref_logprobs, dtype="<f4").tobytes())
+                   ref_logprobs=b"" if ref_logprobs is None else np.asarray(ref_logprobs, dtype="<f4").tobytes(),
+                   teacher_logprobs=b"" if teacher_logprobs is None else np.asarray(teacher_logprobs,
+                                                                                    dtype="<f4").tobytes())
         data.check()
         return data
 
@@ -101,6 +105,9 @@ class TokenData(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     def ref_logprob_array(self) -> np.ndarray | None:
         return np.frombuffer(self.ref_logprobs, dtype="<f4") if self.ref_logprobs else None
 
+    def teacher_logprob_array(self) -> np.ndarray | None:
+        return np.frombuffer(self.teacher_logprobs, dtype="<f4") if self.teacher_logprobs else None
+
     def experts(self) -> np.ndarray | None:
         """The routed experts [R, L, k], or None."""
         if not self.routed_experts:
@@ -117,8 +124,9 @@ class TokenData(msgspec.Struct, frozen=True, kw_only=True, tag=True):
         for name, size in (("loss_mask", len(self.loss_mask)), ("logprobs", len(self.logprobs) // 4)):
             if size != n:
                 raise ValueError(f"TokenData.{name} has {size} entries for {n} tokens; give one per token")
-        if self.ref_logprobs and len(self.ref_logprobs) // 4 != n:
-            raise ValueError(f"TokenData.ref_logprobs has {len(self.ref_logprobs) // 4} entries for {n} tokens")
+        for name, values in (("ref_logprobs", self.ref_logprobs), ("teacher_logprobs", self.teacher_logprobs)):
+            if values and len(values) // 4 != n:
+                raise ValueError(f"TokenData.{name} has {len(values) // 4} entries for {n} tokens")
         if self.routed_experts:
             num_layers, top_k = self.experts_shape
             itemsize = np.dtype(EXPERT_DTYPES[self.experts_dtype or "int32"]).itemsize

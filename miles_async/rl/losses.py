@@ -54,6 +54,9 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
     dual_clip_c: for negative advantages the loss is bounded by c * |A| (c > 1); None disables.
     tis_cap: truncated importance sampling cap on exp(old_logp - rollout_logp); None disables TIS.
     kl_coef / kl_estimator: weight and estimator of KL(policy || reference); 0 disables.
+    distill_coef: on-policy distillation (`distill_advantages`): each trained token's advantage
+        loses distill_coef x (rollout log-prob - teacher log-prob), a one-sample estimate of the
+        reverse KL to the teacher at that position; 0 disables.
     entropy_coef: weight of the entropy bonus (subtracted from the loss); 0 disables.
     aggregation: "token", "sequence" or "seq-mean-token-sum" (see the module docstring).
     """
@@ -65,6 +68,7 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
+    distill_coef: float = 0.0
     aggregation: Aggregation = "token"
 
     def __post_init__(self) -> None:
@@ -76,9 +80,9 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"PolicyLossConfig.dual_clip_c must be > 1 (or None to disable), got {self.dual_clip_c}")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"PolicyLossConfig.tis_cap must be > 0 (or None to disable TIS), got {self.tis_cap}")
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError(f"PolicyLossConfig.kl_coef and entropy_coef must be >= 0, got {self.kl_coef} and "
-                             f"{self.entropy_coef}")
+        if self.kl_coef < 0 or self.entropy_coef < 0 or self.distill_coef < 0:
+            raise ValueError(f"PolicyLossConfig.kl_coef, entropy_coef and distill_coef must be >= 0, got "
+                             f"{self.kl_coef}, {self.entropy_coef} and {self.distill_coef}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"PolicyLossConfig.kl_estimator must be one of {KL_ESTIMATORS}, got "
                              f"{self.kl_estimator!r}")
@@ -132,6 +136,20 @@ def tis_weights(old_logp_T: torch.Tensor, rollout_logp_T: torch.Tensor,
         raw_T = torch.exp(torch.clamp(old_logp_T - rollout_logp_T, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
         truncated_T = raw_T > cap
         return torch.clamp(raw_T, max=cap), truncated_T
+
+
+def distill_advantages(advantages_T: torch.Tensor, rollout_logp_T: torch.Tensor, teacher_logp_T: torch.Tensor,
+                       coef: float) -> torch.Tensor:
+    """On-policy distillation folded into the advantage: A_t - coef * (log p_student(x_t) - log p_teacher(x_t)).
+
+    x_t is the token the student sampled (the rollout's log-prob is the student's), so the
+    difference is a one-sample estimate of KL(student || teacher) at position t: positive where
+    the student favours the token more than the teacher does (its advantage falls), negative
+    where the teacher favours it more. Folded into the advantage rather than the loss, it combines
+    with any advantage (GRPO's, PPO's, or zero task reward). Detached: no gradient flows through it.
+    """
+    with torch.no_grad():
+        return advantages_T - coef * (rollout_logp_T - teacher_logp_T)
 
 
 def kl_estimate(logp_T: torch.Tensor, ref_logp_T: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
@@ -195,14 +213,22 @@ def policy_loss(logp_T: torch.Tensor, advantages_T: torch.Tensor, loss_mask_T: t
                 seq_ids_T: torch.Tensor | None, config: PolicyLossConfig, *,
                 old_logp_T: torch.Tensor | None = None, rollout_logp_T: torch.Tensor | None = None,
                 ref_logp_T: torch.Tensor | None = None, entropy_T: torch.Tensor | None = None,
-                denominator: float | None = None) -> PolicyLossOutput:
+                teacher_logp_T: torch.Tensor | None = None, denominator: float | None = None) -> PolicyLossOutput:
     """PPO-clip policy loss with TIS, KL and entropy terms, aggregated by `config.aggregation`.
 
-    `rollout_logp_T` is needed when `config.tis_cap` is set, `ref_logp_T` when `config.kl_coef` > 0,
-    and `entropy_T` (with gradient) when `config.entropy_coef` > 0.
+    `rollout_logp_T` is needed when `config.tis_cap` is set or `config.distill_coef` > 0,
+    `ref_logp_T` when `config.kl_coef` > 0, `teacher_logp_T` when `config.distill_coef` > 0 (the
+    advantages are then folded with `distill_advantages` first), and `entropy_T` (with gradient)
+    when `config.entropy_coef` > 0.
     """
     _check_same_shape(logp_T, advantages_T=advantages_T, loss_mask_T=loss_mask_T, old_logp_T=old_logp_T,
-                      rollout_logp_T=rollout_logp_T, ref_logp_T=ref_logp_T, entropy_T=entropy_T)
+                      rollout_logp_T=rollout_logp_T, ref_logp_T=ref_logp_T, entropy_T=entropy_T,
+                      teacher_logp_T=teacher_logp_T)
+    if config.distill_coef > 0:
+        if teacher_logp_T is None or rollout_logp_T is None:
+            raise ValueError("PolicyLossConfig.distill_coef > 0 needs teacher_logp_T and rollout_logp_T (the "
+                             "student's); pass both or set distill_coef=0")
+        advantages_T = distill_advantages(advantages_T, rollout_logp_T, teacher_logp_T, config.distill_coef)
     old_logp_T = logp_T.detach() if old_logp_T is None else old_logp_T.detach()
     mask_T = loss_mask_T != 0
     pg_T, clipped_T, dual_clipped_T = ppo_clip_loss(

@@ -11,6 +11,8 @@ sums of exact zeros stay exactly zero, so in true-on-policy mode the mismatch re
 - clip_fraction / dual_clip_fraction / tis_truncated_fraction: share of trained tokens whose PPO
   term was clipped, dual-clipped, or whose TIS weight hit the cap (from `PolicyLossOutput`).
 - entropy: mean per-token entropy of the trainer's distribution.
+- teacher_kl: mean of rollout log-prob - teacher log-prob over trained tokens, the one-sample
+  reverse KL to a distillation teacher (0.0 without teacher log-probs).
 Grad norm and tokens/s are the trainer's own.
 
 Tensor names (STYLE rule 10): T tokens (any layout), K metric sums.
@@ -29,7 +31,7 @@ from miles_async.rl.losses import PolicyLossOutput
 
 METRIC_SUM_NAMES: tuple[str, ...] = (
     "num_trained_tokens", "logprob_abs_diff", "rollout_kl_k3", "clipped", "dual_clipped", "tis_truncated",
-    "entropy",
+    "entropy", "teacher_kl",
 )
 
 
@@ -43,6 +45,7 @@ class RLMetrics(msgspec.Struct, frozen=True, kw_only=True):
     dual_clip_fraction: float
     tis_truncated_fraction: float
     entropy: float
+    teacher_kl: float = 0.0
 
     @classmethod
     def from_sums(cls, sums_K: torch.Tensor) -> RLMetrics:
@@ -59,18 +62,19 @@ class RLMetrics(msgspec.Struct, frozen=True, kw_only=True):
         return cls(num_trained_tokens=int(count), logprob_abs_diff=mean("logprob_abs_diff"),
                    rollout_kl_k3=mean("rollout_kl_k3"), clip_fraction=mean("clipped"),
                    dual_clip_fraction=mean("dual_clipped"), tis_truncated_fraction=mean("tis_truncated"),
-                   entropy=mean("entropy"))
+                   entropy=mean("entropy"), teacher_kl=mean("teacher_kl"))
 
 
 def metric_sums(*, trainer_logp_T: torch.Tensor, rollout_logp_T: torch.Tensor, loss_mask_T: torch.Tensor,
-                loss: PolicyLossOutput | None = None, entropy_T: torch.Tensor | None = None) -> torch.Tensor:
+                loss: PolicyLossOutput | None = None, entropy_T: torch.Tensor | None = None,
+                teacher_logp_T: torch.Tensor | None = None) -> torch.Tensor:
     """One micro-batch's sums, float64 [K] on the inputs' device, in the order of `METRIC_SUM_NAMES`.
 
     `trainer_logp_T` is the trainer's log-prob of the sampled tokens at the weights the rollout
     used, as closely as the trainer has them (the old log-probs, before this step's update).
     """
     for name, tensor_T in (("rollout_logp_T", rollout_logp_T), ("loss_mask_T", loss_mask_T),
-                           ("entropy_T", entropy_T)):
+                           ("entropy_T", entropy_T), ("teacher_logp_T", teacher_logp_T)):
         if tensor_T is not None and tensor_T.shape != trainer_logp_T.shape:
             raise ValueError(f"{name} has shape {tuple(tensor_T.shape)}, but trainer_logp_T has "
                              f"{tuple(trainer_logp_T.shape)}")
@@ -90,4 +94,5 @@ def metric_sums(*, trainer_logp_T: torch.Tensor, rollout_logp_T: torch.Tensor, l
             masked_sum(None if loss is None else loss.dual_clipped_T),
             masked_sum(None if loss is None else loss.tis_truncated_T),
             masked_sum(entropy_T),
+            masked_sum(None if teacher_logp_T is None else rollout_logp_T.double() - teacher_logp_T.double()),
         ])

@@ -14,7 +14,8 @@
   the hidden states are bf16 values already) but keep fp32 logits.
 - `micro_batch_loss` is the loss of one packed micro-batch (`TrainerConfig.objective`): the RL
   policy loss (PPO clip + dual clip, TIS against the rollout log-probs, KL to the reference
-  log-probs when the batch carries them, entropy bonus) or SFT cross-entropy, divided by the
+  log-probs when the batch carries them, the teacher's reverse KL folded into the advantages
+  with `policy_loss.distill_coef`, entropy bonus) or SFT cross-entropy, divided by the
   whole step's denominator, plus the step metrics' sums of this micro-batch (one float64 vector,
   see `LOSS_SUM_NAMES`, so the step makes a single all-reduce).
 
@@ -126,13 +127,17 @@ def micro_batch_loss(model: nn.Module, batch: PackedBatch, config: TrainerConfig
             # A padding micro-batch (no samples) trains nothing: any reference will do.
             ref_T = logp_T.detach() if batch.ref_logprobs_T is None else batch.ref_logprobs_T.to(device)
         old_T = rollout_T if config.old_logprobs == "rollout" else None
+        teacher_T = None if batch.teacher_logprobs_T is None else batch.teacher_logprobs_T.to(device)
+        if loss_config.distill_coef > 0 and teacher_T is None:
+            teacher_T = rollout_T  # a padding micro-batch (no samples) trains nothing: no distance to fold
         out = policy_loss(logp_T, batch.advantages_T.to(device), mask_T, seq_ids_T, loss_config,
                           old_logp_T=old_T, rollout_logp_T=rollout_T, ref_logp_T=ref_T,
                           entropy_T=entropy_T if loss_config.entropy_coef > 0 else entropy_T.detach(),
-                          denominator=denominator)
+                          teacher_logp_T=teacher_T, denominator=denominator)
         loss = out.loss
         parts = (out.pg_loss, out.kl)
+    teacher = batch.teacher_logprobs_T
     sums_K = metric_sums(trainer_logp_T=logp_T.detach(), rollout_logp_T=rollout_T, loss_mask_T=mask_T, loss=out,
-                         entropy_T=entropy_T.detach())
+                         entropy_T=entropy_T.detach(), teacher_logp_T=None if teacher is None else teacher.to(device))
     extra_K = torch.stack([loss.detach(), *parts]).double()
     return MicroBatchLoss(loss=loss, sums_K=torch.cat([sums_K, extra_K]))

@@ -171,6 +171,7 @@ class PackedBatch:
     num_samples: int
     routed_experts_L1Tk: torch.Tensor | None = None  # int64, experts to replay (R3), or None
     ref_logprobs_T: torch.Tensor | None = None  # float32, a reference policy's log-prob of each target
+    teacher_logprobs_T: torch.Tensor | None = None  # float32, a distillation teacher's log-prob of each target
     branches_1R: torch.Tensor | None = None  # int64, 0 trunk, b >= 1 branch b (None: no shared prefix)
     hidden_rows_T: torch.Tensor | None = None  # int64, the row scoring each slot (None: row = slot)
 
@@ -236,7 +237,8 @@ def pack(samples: Sequence[TokenData], advantages: Sequence[float],
         sample_T=torch.from_numpy(np.repeat(np.arange(len(samples), dtype=np.int64), lengths)),
         num_samples=len(samples),
         routed_experts_L1Tk=experts,
-        ref_logprobs_T=_pack_ref(samples),
+        ref_logprobs_T=_pack_per_token(samples, "ref_logprobs", "the KL term"),
+        teacher_logprobs_T=_pack_per_token(samples, "teacher_logprobs", "distillation"),
         branches_1R=branches,
         hidden_rows_T=hidden_rows,
     )
@@ -292,15 +294,17 @@ def _share_prefixes(samples: Sequence[TokenData], groups: Sequence[Hashable],
             np.concatenate(hidden_rows).astype(np.int64))
 
 
-def _pack_ref(samples: Sequence[TokenData]) -> torch.Tensor | None:
-    refs = [s.ref_logprob_array() for s in samples]
-    carrying = sum(1 for r in refs if r is not None)
+def _pack_per_token(samples: Sequence[TokenData], field: str, needed_by: str) -> torch.Tensor | None:
+    """An optional float32 per-token field (`ref_logprobs`, `teacher_logprobs`) shifted like the
+    rollout's log-probs; None when no sample carries it."""
+    arrays = [np.frombuffer(getattr(s, field), dtype="<f4") if getattr(s, field) else None for s in samples]
+    carrying = sum(1 for a in arrays if a is not None)
     if carrying == 0:
         return None
     if carrying != len(samples):
-        raise ValueError(f"{carrying} of {len(samples)} samples carry ref_logprobs; the KL term needs all or none")
+        raise ValueError(f"{carrying} of {len(samples)} samples carry {field}; {needed_by} needs all or none")
     ends = np.cumsum([s.num_tokens for s in samples])
-    return torch.from_numpy(_shifted(np.concatenate([r for r in refs if r is not None]), ends).astype(np.float32))
+    return torch.from_numpy(_shifted(np.concatenate([a for a in arrays if a is not None]), ends).astype(np.float32))
 
 
 def _pack_experts(samples: Sequence[TokenData], moe_shape: tuple[int, int] | None) -> torch.Tensor | None:

@@ -65,6 +65,7 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     dual_clip_fraction: float = 0.0
     tis_truncated_fraction: float = 0.0  # the TIS weight hit the cap
     entropy: float = 0.0  # per-token entropy of the trainer's distribution
+    teacher_kl: float = 0.0  # rollout log-prob - teacher log-prob: the reverse KL to a distillation teacher
     # The loss's parts, aggregated like the loss (loss = pg_loss + kl_coef * kl - entropy_coef * entropy):
     pg_loss: float = 0.0
     kl: float = 0.0  # to the reference log-probs (0 unless kl_coef > 0)
@@ -167,7 +168,7 @@ class Trainer:
             logprob_abs_diff=rl.logprob_abs_diff, mean_reward=reward_sum / max(num_samples, 1),
             elapsed_s=elapsed_s, skipped=skipped, rollout_kl_k3=rl.rollout_kl_k3, clip_fraction=rl.clip_fraction,
             dual_clip_fraction=rl.dual_clip_fraction, tis_truncated_fraction=rl.tis_truncated_fraction,
-            entropy=rl.entropy, pg_loss=pg_loss, kl=kl, num_forward_tokens=int(num_forward))
+            entropy=rl.entropy, pg_loss=pg_loss, kl=kl, num_forward_tokens=int(num_forward), teacher_kl=rl.teacher_kl)
 
     def eval_loss(self, samples: list[Trajectory], *, num_micro_batches: int, denominator: float) -> float:
         """The SFT loss of this rank's share at the current weights, summed over ranks (a collective
@@ -202,6 +203,10 @@ class Trainer:
         if needs_ref and not all(d.ref_logprobs for d in data):
             raise ValueError("policy_loss.kl_coef > 0 but some samples carry no ref_logprobs; compute the reference "
                              "log-probs for every sample or set kl_coef=0")
+        needs_teacher = config.objective == "rl" and config.policy_loss.distill_coef > 0
+        if needs_teacher and not all(d.teacher_logprobs for d in data):
+            raise ValueError("policy_loss.distill_coef > 0 but some samples carry no teacher_logprobs; have the "
+                             "teacher score every sample or set distill_coef=0")
         return data
 
     def export_weights(self, out_dir: str | Path, bucket_bytes: int) -> list[WeightBucket]:
