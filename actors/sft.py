@@ -8,7 +8,7 @@
 The same trainer ranks, packing (a batch is split into micro-batches by `trainer.micro_batch_tokens`
 and over `trainer.world_size` ranks), loss aggregation, checkpoints and metrics as an RL run; no
 engine is started. The order of the examples is a function of the seed alone (epoch e visits them
-in a permutation seeded by (seed, e)), so the step number says which examples come next: a resumed
+in a permutation seeded by the seed and e), so the step number says which examples come next: a resumed
 run (`--resume`) loads the latest checkpoint, cuts metrics.jsonl back to it and goes on with the
 very batches it would have trained, and its weights equal an uninterrupted run's bit for bit.
 The output, `final_model/`, is what an RL recipe starts from (`[model] path`).
@@ -122,7 +122,7 @@ def load_sft_recipe(path: str | Path | None = None, overrides: list[str] | tuple
 
 def batch_indices(step: int, batch_size: int, num_examples: int, seed: int) -> list[int]:
     """The examples of step `step` (from 0): positions step * batch_size onwards of the sequence
-    that visits every example once per epoch, epoch e in the order random.Random((seed, e)) shuffles."""
+    that visits every example once per epoch, epoch e in the order random.Random(f"{seed}:{e}") shuffles."""
     out = []
     orders: dict[int, list[int]] = {}
     for position in range(step * batch_size, (step + 1) * batch_size):
