@@ -88,7 +88,7 @@ from miles_async.actors.scheduler import GetSchedulerState, TrainerStepped, Weig
 from miles_async.actors.trainer import ExportWeights, LoadCheckpoint, SaveCheckpoint, WeightManifest
 from miles_async.actors.warmstart import warm_start
 from miles_async.actors.weights import PushWeights
-from miles_async.models import SmolLM2Unavailable, init_model, load_tokenizer, smollm2_checkpoint
+from miles_async.models import SmolLM2Unavailable, load_tokenizer
 from miles_async.observe import (
     TRACE_SCHEMA,
     MetricsLog,
@@ -234,14 +234,10 @@ class Controller:
         (self.run_dir / "config.json").write_text(json.dumps(dump_recipe(cfg), indent=2))
         token = secrets.token_hex(16)  # trainer ranks check they see the run folder (other nodes)
         (self.run_dir / SHARED_FILE).write_text(token)
-        if cfg.model.pretrained:  # the only one so far: "smollm2" (the recipe checks the name)
-            try:
-                return RunFolder(run_dir=self.run_dir, model_dir=smollm2_checkpoint(), shared_token=token)
-            except SmolLM2Unavailable as e:
-                raise RunSetupError(f"model.pretrained = {cfg.model.pretrained!r}: {e}") from e
-        model_dir = Path(cfg.model.path) if cfg.model.path else self.run_dir / "model"
-        if not cfg.model.path and not (model_dir / "config.json").is_file():
-            init_model(cfg.model.family, cfg.model.preset, model_dir, seed=cfg.model.seed)
+        try:
+            model_dir = cfg.model.folder(self.run_dir)
+        except SmolLM2Unavailable as e:
+            raise RunSetupError(f"model.pretrained = {cfg.model.pretrained!r}: {e}") from e
         return RunFolder(run_dir=self.run_dir, model_dir=model_dir, shared_token=token)
 
     def _now(self) -> float:

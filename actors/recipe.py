@@ -88,6 +88,18 @@ class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"model.path ({self.path!r}) and model.pretrained ({self.pretrained!r}) both name the "
                              "model: keep one")
 
+    def folder(self, run_dir: Path) -> Path:
+        """The folder of the model: the prepared `pretrained` one (SmolLM2Unavailable if it cannot
+        be), `path`, or a fresh `init_model` under `run_dir/model` (made once)."""
+        from miles_async.models import init_model, smollm2_checkpoint
+
+        if self.pretrained:  # the only one so far: "smollm2" (the recipe checks the name)
+            return Path(smollm2_checkpoint())
+        folder = Path(self.path) if self.path else run_dir / "model"
+        if not self.path and not (folder / "config.json").is_file():
+            init_model(self.family, self.preset, folder, seed=self.seed)
+        return folder
+
 
 class LoopConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The recipe's `[loop]`: the controller's own settings."""

@@ -44,7 +44,7 @@ from miles_async.actors.evaluation import as_hf_folder
 from miles_async.actors.recipe import ModelSection, check_keys, read_recipe_tree
 from miles_async.actors.trainer import ExportWeights, LoadCheckpoint, SaveCheckpoint, TrainerGroup
 from miles_async.actors.warmstart import as_samples, into_dataplane, sft_step
-from miles_async.models import init_model, load_tokenizer
+from miles_async.models import SmolLM2Unavailable, load_tokenizer
 from miles_async.observe.logs import MetricsLog, roll_back
 from miles_async.runtime import ActorSystem
 from miles_async.runtime.dataplane import DataPlane
@@ -135,21 +135,6 @@ def batch_indices(step: int, batch_size: int, num_examples: int, seed: int) -> l
     return out
 
 
-def model_folder(model: ModelSection, run_dir: Path) -> Path:
-    """The folder of the model to train: `path`, the prepared `pretrained` one, or a fresh
-    `init_model` under the run folder (made once)."""
-    if model.pretrained:
-        from miles_async.models.smollm2 import smollm2_checkpoint
-
-        return Path(smollm2_checkpoint())
-    folder = Path(model.path) if model.path else run_dir / "model"
-    if not model.path and not (folder / "config.json").is_file():
-        init_model(model.family, model.preset, folder, seed=model.seed)
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"model.path {str(folder)!r} holds no config.json: give a Hugging Face model folder")
-    return folder
-
-
 class SFTRun:
     """One SFT run in `run_dir` (module docstring); `await SFTRun(...).run()`."""
 
@@ -174,7 +159,12 @@ class SFTRun:
         """The model folder (made when the recipe makes one) and the tokenized data; ValueError
         naming what is wrong with either, before any process starts."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.model_dir = model_folder(self.recipe.model, self.run_dir)
+        try:
+            self.model_dir = self.recipe.model.folder(self.run_dir)
+        except SmolLM2Unavailable as e:
+            raise ValueError(f"model.pretrained = {self.recipe.model.pretrained!r}: {e}") from e
+        if not (self.model_dir / "config.json").is_file():
+            raise ValueError(f"model.path {str(self.model_dir)!r} holds no config.json: give a Hugging Face model folder")
         self.data = load_sft_data(self.recipe.data, load_tokenizer(self.model_dir))
 
     async def run(self) -> SFTResult:

@@ -109,6 +109,11 @@ def transformers_step(model_dir: str, ids_BT: torch.Tensor, precision: str) -> C
     return step
 
 
+def _versions() -> dict[str, Any]:
+    return {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def grpo_batch(groups: int, group_size: int, prompt_len: int, vocab_size: int) -> list[Any]:
     """The `--workload grpo` batch: TokenData per sample, grouped consecutively, seeded."""
     from miles_async.trajectory import TokenData
@@ -133,8 +138,7 @@ def ours_grpo_step(model_dir: str, samples: list[Any], group_size: int, precisio
     from miles_async.trainer.packing import pack
 
     model = load_pretrained(model_dir).train()
-    config = TrainerConfig(model_dir=model_dir, objective="sft", compute_dtype=_compute_dtype(precision),
-                           share_prefixes=share)
+    config = TrainerConfig(model_dir=model_dir, objective="sft", compute_dtype=_compute_dtype(precision))
     attach_logprobs(model, config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     groups = [i // group_size for i in range(len(samples))] if share else None
@@ -199,8 +203,7 @@ def measure_grpo(groups: int, group_size: int, prompt_len: int, steps: int, thre
         row["ratio_ours_over_unshared"] = round(row["ours_unshared"]["step_s"] / row["ours"]["step_s"], 2)
     return {
         "bench": "trainer",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-                     "cpu_capability": torch.backends.cpu.get_cpu_capability()},
+        "versions": _versions(),
         "model": {"name": "SmolLM2-135M-Instruct", "folder": model_dir},
         "workload": {"kind": "grpo", "groups": groups, "group_size": group_size, "prompt_len": prompt_len,
                      "answer_len": "8-32, uniform", "tokens_per_step": tokens,
@@ -236,8 +239,7 @@ def measure(batch: int, seq_len: int, steps: int, threads: int, precisions: tupl
             rows[precision]["transformers"]["step_s"] / rows[precision]["ours"]["step_s"], 2)
     return {
         "bench": "trainer",
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-                     "cpu_capability": torch.backends.cpu.get_cpu_capability()},
+        "versions": _versions(),
         "model": {"name": "SmolLM2-135M-Instruct", "folder": model_dir, "matmul_params": limits.matmul_params(cfg)},
         "workload": {"kind": "random", "batch": batch, "seq_len": seq_len, "tokens_per_step": tokens, "steps": steps,
                      "threads": threads, "optimizer": "torch.optim.AdamW", "flops_per_step": flops},

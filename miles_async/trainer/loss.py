@@ -116,6 +116,7 @@ def micro_batch_loss(model: nn.Module, batch: PackedBatch, config: TrainerConfig
     logp_T = rollout_T.index_put((slots_S,), logp_S)
     entropy_T = rollout_T.new_zeros(rollout_T.shape).index_put((slots_S,), entropy_S)
     seq_ids_T = batch.sample_T.to(device)
+    teacher_T = None if batch.teacher_logprobs_T is None else batch.teacher_logprobs_T.to(device)
     zero = logp_T.new_zeros(())
     if config.objective == "sft":
         loss = sft_loss(logp_T, mask_T, seq_ids_T, loss_config.aggregation, denominator=denominator)
@@ -127,17 +128,15 @@ def micro_batch_loss(model: nn.Module, batch: PackedBatch, config: TrainerConfig
             # A padding micro-batch (no samples) trains nothing: any reference will do.
             ref_T = logp_T.detach() if batch.ref_logprobs_T is None else batch.ref_logprobs_T.to(device)
         old_T = rollout_T if config.old_logprobs == "rollout" else None
-        teacher_T = None if batch.teacher_logprobs_T is None else batch.teacher_logprobs_T.to(device)
-        if loss_config.distill_coef > 0 and teacher_T is None:
-            teacher_T = rollout_T  # a padding micro-batch (no samples) trains nothing: no distance to fold
+        # (a padding micro-batch, no samples, carries no teacher: it trains nothing, fold no distance)
+        fold_T = rollout_T if teacher_T is None and loss_config.distill_coef > 0 else teacher_T
         out = policy_loss(logp_T, batch.advantages_T.to(device), mask_T, seq_ids_T, loss_config,
                           old_logp_T=old_T, rollout_logp_T=rollout_T, ref_logp_T=ref_T,
                           entropy_T=entropy_T if loss_config.entropy_coef > 0 else entropy_T.detach(),
-                          teacher_logp_T=teacher_T, denominator=denominator)
+                          teacher_logp_T=fold_T, denominator=denominator)
         loss = out.loss
         parts = (out.pg_loss, out.kl)
-    teacher = batch.teacher_logprobs_T
     sums_K = metric_sums(trainer_logp_T=logp_T.detach(), rollout_logp_T=rollout_T, loss_mask_T=mask_T, loss=out,
-                         entropy_T=entropy_T.detach(), teacher_logp_T=None if teacher is None else teacher.to(device))
+                         entropy_T=entropy_T.detach(), teacher_logp_T=teacher_T)
     extra_K = torch.stack([loss.detach(), *parts]).double()
     return MicroBatchLoss(loss=loss, sums_K=torch.cat([sums_K, extra_K]))

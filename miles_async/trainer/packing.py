@@ -262,22 +262,16 @@ def _share_prefixes(samples: Sequence[TokenData], groups: Sequence[Hashable],
     members: dict[Hashable, list[int]] = {}
     for i, key in enumerate(groups):
         members.setdefault(key, []).append(i)
-    docs = [(m, common_prefix_length([tokens[i] for i in m])) for m in members.values()]
-    if not any(len(m) > 1 and trunk > 0 for m, trunk in docs):
+    docs: list[tuple[list[int], int]] = []  # (members, trunk length); a lone sample is all trunk
+    for m in members.values():
+        trunk = common_prefix_length([tokens[i] for i in m])
+        docs += [([i], len(tokens[i])) for i in m] if trunk == 0 else [(m, trunk)]
+    if len(docs) == len(samples):  # nothing shared: the plain layout is the same thing
         return None
     ids, positions, branches = [], [], []
     hidden_rows = [np.empty(0, dtype=np.int64)] * len(samples)
     row = 0
     for m, trunk in docs:
-        if len(m) == 1 or trunk == 0:  # nothing shared: each sample is a trunk of its own
-            for i in m:
-                n = len(tokens[i])
-                ids.append(tokens[i])
-                positions.append(np.arange(n))
-                branches.append(np.zeros(n, dtype=np.int64))
-                hidden_rows[i] = row + np.arange(n)
-                row += n
-            continue
         ids.append(tokens[m[0]][:trunk])
         positions.append(np.arange(trunk))
         branches.append(np.zeros(trunk, dtype=np.int64))
