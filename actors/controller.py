@@ -85,6 +85,7 @@ from miles_async.actors.fleet import (
 from miles_async.actors.liveness import Liveness
 from miles_async.actors.recipe import RunConfig, dump_recipe
 from miles_async.actors.scheduler import GetSchedulerState, TrainerStepped, WeightVersionChanged
+from miles_async.actors.teacher import GetTeacherStats
 from miles_async.actors.trainer import ExportWeights, LoadCheckpoint, SaveCheckpoint, WeightManifest
 from miles_async.actors.warmstart import warm_start
 from miles_async.actors.weights import PushWeights
@@ -133,7 +134,8 @@ class EnginesLostError(RunLostError):
 
 
 ROLES = {"scheduler": "the refill scheduler", "buffer": "the buffer", "sessions": "the session server",
-         "sample-recorder": "the sample recorder"}  # the processes a run cannot go on without
+         "sample-recorder": "the sample recorder", "teacher": "the distillation teacher's engine",
+         "teacher-scorer": "the teacher's scoring stage"}  # the processes a run cannot go on without
 
 
 class RunResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -163,6 +165,7 @@ class _Trained:
     train_end_s: float
     update_s: float = 0.0
     eval_score: float | None = None
+    teacher_busy_s: float = 0.0  # distillation: the teacher's busy time over this step
 
 
 @dataclass(slots=True)
@@ -430,6 +433,7 @@ class Controller:
         trained = 0
         idle_total = 0.0
         busy_before: dict[str, float] = {}
+        teacher_busy_before = 0.0
         last = cfg.loop.num_steps
         with Progress(last, enabled=self.show_progress) as progress:
             current = await self._launch(first_step + 1) if first_step < last and not self.stop.is_set() else None
@@ -467,6 +471,10 @@ class Controller:
                 state = await scheduler.ask(GetSchedulerState(), timeout_s=ASK_S)
                 busy = sum(state.engine_busy_s.values()) - sum(busy_before.values())
                 busy_before = dict(state.engine_busy_s)
+                if self.fleet.teacher_scorer is not None:
+                    teacher = await self.fleet.teacher_scorer.ask(GetTeacherStats(), timeout_s=ASK_S)
+                    trained_step.teacher_busy_s, teacher_busy_before = (teacher.busy_s - teacher_busy_before,
+                                                                        teacher.busy_s)
                 buffer_state = await buffer.ask(BufferStats(), timeout_s=ASK_S)
                 row = self._write_down(trained_step, busy, buffer_state)
                 rewards.append(row["reward_mean"])
@@ -483,7 +491,8 @@ class Controller:
     def _write_down(self, t: _Trained, busy: float, buffer_state: BufferState) -> dict[str, Any]:
         """A trained step's metrics row and trace record; the row."""
         current, metrics, batch = t.launched, t.metrics, t.launched.batch
-        row = self._row(current, metrics, t.step_s, t.train_s, t.update_s, busy, buffer_state, t.eval_score)
+        row = self._row(current, metrics, t.step_s, t.train_s, t.update_s, busy, buffer_state, t.eval_score,
+                        t.teacher_busy_s)
         self.metrics.log(row)
         self.trace.write(StepTrace(
             step=current.step, weight_version=metrics.weight_version, start_s=current.start_s, end_s=self._now(),
@@ -495,7 +504,8 @@ class Controller:
         return row
 
     def _row(self, current: _Launched, metrics: StepMetrics, step_s: float, train_s: float, update_s: float,
-             busy: float, buffer_state: BufferState, eval_score: float | None) -> dict[str, Any]:
+             busy: float, buffer_state: BufferState, eval_score: float | None,
+             teacher_busy_s: float = 0.0) -> dict[str, Any]:
         """One metrics.jsonl row (observe.logs lists the keys)."""
         samples, batch = current.samples, current.batch
         # The policy's reward: every sample finished since the last step, kept or filtered (the
@@ -517,7 +527,12 @@ class Controller:
             "dropped_stale": buffer_state.dropped.get("stale", 0),
             "dropped_aborted": buffer_state.dropped.get("aborted", 0),
             "dropped_filtered": buffer_state.dropped.get("filtered", 0),
-            "loss": metrics.loss, "grad_norm": metrics.grad_norm, "entropy": metrics.entropy}
+            "loss": metrics.loss, "grad_norm": metrics.grad_norm, "entropy": metrics.entropy,
+            "response_len_mean": statistics.fmean(s.num_generated_tokens for s in samples)}
+        if self.fleet.teacher_scorer is not None:  # distillation: the distance to the teacher, the stage's time
+            row |= {"teacher_kl": metrics.teacher_kl, "teacher_s": sum(s.teacher_s for s in samples),
+                    "teacher_wait_s": sum(s.teacher_wait_s for s in samples),
+                    "teacher_busy_fraction": min(teacher_busy_s / max(step_s, 1e-9), 1.0)}
         if eval_score is not None:
             row["eval_score"] = eval_score
         if self.checkpoint_s:  # a checkpoint was taken before this step: its time in the loop's way
@@ -630,7 +645,8 @@ class Controller:
             submit_s=sample.submit_s - self.start_time, end_s=sample.end_s - self.start_time,
             prompt_tokens=sample.num_prompt_tokens, output_tokens=sample.num_generated_tokens,
             versions=list(sample.weight_versions), reward=sample.reward, finish_reason=sample.finish_reason,
-            dropped="" if counted else "engine_lost", num_turns=sample.num_turns, tool_s=sample.tool_s))
+            dropped="" if counted else "engine_lost", num_turns=sample.num_turns, tool_s=sample.tool_s,
+            teacher_s=sample.teacher_s, teacher_wait_s=sample.teacher_wait_s))
 
     def _write_header(self) -> None:
         """The trace's first record: the schema and the run's settings (what the simulator replays with)."""
@@ -643,7 +659,8 @@ class Controller:
             target_in_flight=s.target_in_flight, max_in_flight_per_engine=s.max_in_flight_per_engine,
             refill=s.refill, partial=r.partial, capacity_groups=b.capacity_groups, filter=b.filter,
             on_stale=b.on_stale, on_abort=b.on_abort, eval_mode=cfg.eval.mode, eval_every=cfg.eval.every,
-            num_steps=loop.num_steps, transport=resolve_transport(cfg)))
+            num_steps=loop.num_steps, transport=resolve_transport(cfg),
+            teacher_in_flight=cfg.teacher.max_in_flight if cfg.teacher.enabled else 0))
 
     # ----- stopping -----
 

@@ -2,6 +2,7 @@
 
     WeightPusher ──PauseEngine / BeginUpdate / ReceiveBroadcast / ApplyDelta / CommitUpdate──► EngineActor
     rollout      ──Generate (or HTTP, when `http_port` is set)──────────────────────────────► EngineActor
+    teacher stage ──ScoreTokens (a distillation teacher's scoring, actors/teacher.py)──────────► EngineActor
 
 Consumes: generation requests, and the weight-update messages of the update protocol
 (`miles_async.engine.weights`): `BeginUpdate` opens an update (refused for a version not newer
@@ -40,9 +41,11 @@ import msgspec
 import torch
 
 from miles_async.engine import compute
+from miles_async.engine.backend import check_score_start
 from miles_async.engine.client import EngineOutput
 from miles_async.engine.core import Engine, EngineConfig
 from miles_async.engine.request import GenerateRequest
+from miles_async.engine.sampling import SamplingParams
 from miles_async.engine.server import EngineServer
 from miles_async.runtime import Actor, Message, handler
 from miles_async.transport import colocated
@@ -74,6 +77,14 @@ class EngineState(msgspec.Struct, frozen=True, kw_only=True):
 
 class Generate(Message[EngineOutput], frozen=True):
     request: GenerateRequest
+
+
+class ScoreTokens(Message[list[float]], frozen=True):
+    """The log-prob of each of `input_ids[start:]` given the tokens before it (`EngineBackend.score`
+    over the mailbox): one prefill-only request, nothing generated."""
+
+    input_ids: list[int]
+    start: int
 
 
 class EngineStatus(Message[EngineState], frozen=True):
@@ -236,6 +247,17 @@ class EngineActor(Actor):
                             text=out.text or "", weight_versions=out.weight_versions,
                             routed_experts=_experts_bytes(out.routed_experts_TLk), prompt_tokens=out.prompt_tokens,
                             cached_tokens=out.cached_tokens)
+
+    @handler(concurrent=True)
+    async def score(self, msg: ScoreTokens) -> list[float]:
+        check_score_start(msg.input_ids, msg.start)
+        out = await self.engine.generate(GenerateRequest(
+            input_ids=msg.input_ids, sampling_params=SamplingParams(max_new_tokens=0, temperature=0.0),
+            return_logprob=True, logprob_start_len=msg.start - 1))
+        if (out.finish_reason or {}).get("type") == "abort":
+            raise RuntimeError(f"scoring {len(msg.input_ids)} tokens was aborted (the engine paused or stopped)")
+        entries = (out.input_token_logprobs or [])[-(len(msg.input_ids) - msg.start):]
+        return [float(logprob or 0.0) for logprob, _ in entries]  # (only the first entry, dropped above, is None)
 
     @handler(concurrent=True)  # read-only: answers even while a long transfer holds the mailbox
     async def status(self, msg: EngineStatus) -> EngineState:

@@ -1,9 +1,10 @@
 """The run's processes: where each goes (`[placement]`), starting them, and nodes that join later.
 
-    Fleet.start ──► engines (a process each, on their nodes), trainer ranks (TrainerGroup), pushers
+    Fleet.start ──► engines (a process each, on their nodes), trainer ranks (TrainerGroup), pushers,
+                    a distillation teacher's engine (node 0) when `[teacher]` names one
     Fleet.start_sessions ──► SessionHost (agent runs)
-    Fleet.start_rollout ──► rollout workers (here), RefillScheduler and Buffer (here, or a process on
-                            their node), engines announced to the scheduler
+    Fleet.start_rollout ──► rollout workers (here), the teacher's scorer (here), RefillScheduler and
+                            Buffer (here, or a process on their node), engines announced to the scheduler
     Fleet.admit ──► a node that joined: its engines, the current weights, then the scheduler
     Fleet.respawn, Fleet.join ──► an engine whose process died, started again under its name (by
                             `liveness.Liveness`, under `[rollout.restart]`), joins the same way
@@ -33,6 +34,7 @@ from miles_async.actors.external import ExternalEngineActor
 from miles_async.actors.rollout import RolloutWorker
 from miles_async.actors.scheduler import AddEngine, RefillScheduler, SampleSeen
 from miles_async.actors.sessions import AddSessionEngine, SessionHost, SessionsUrl
+from miles_async.actors.teacher import TeacherScorer
 from miles_async.actors.trainer import RankPlacement, TrainerGroup
 from miles_async.actors.weights import JoinEngine, WeightPusher, WeightSyncConfig
 from miles_async.models.config import ModelConfig
@@ -212,6 +214,8 @@ class Fleet:
     engines: list[ActorRef] = field(default_factory=list)
     engine_urls: dict[str, str] = field(default_factory=dict)
     eval_engine: ActorRef | None = None
+    teacher: ActorRef | None = None  # distillation: the teacher's engine (actors/teacher.py)
+    teacher_scorer: ActorRef | None = None
     trainer: TrainerGroup | None = None
     pusher: ActorRef | None = None
     eval_pusher: ActorRef | None = None
@@ -276,8 +280,11 @@ class Fleet:
         trainer_spawn = TrainerGroup.spawn(self.system, self.trainer_config(), cfg.trainer.world_size,
                                            master_addr=ranks[0].host or master.host,
                                            master_port=await master.spawner.free_port(), placement=ranks)
+        teacher = [self._spawn_teacher()] if cfg.teacher.enabled else []
         *engines, self.trainer = await _all_or_none(*(self._spawn_engine(name, node) for name, node in zip(names, placed)),
-                                                    trainer_spawn)
+                                                    *teacher, trainer_spawn)
+        if cfg.teacher.enabled:
+            self.teacher = engines.pop()
         if cfg.eval.mode == "dedicated":
             self.eval_engine = engines.pop()
         self.engines = engines
@@ -304,6 +311,31 @@ class Fleet:
                                         kwargs={"http_host": node.host, "http_port": 0,
                                                 "num_threads": self.config.rollout.engine_threads,
                                                 "api_key": self.api_key}, env=env)
+
+    async def _spawn_teacher(self) -> ActorRef:
+        """The distillation teacher's engine, on node 0 beside the scorer (`[teacher]`): an embedded
+        engine scored over its mailbox, or a server of another backend scored over HTTP."""
+        teacher, node = self.config.teacher, self.nodes[0]
+        folder = str(teacher.folder())
+        if teacher.backend != "embedded":
+            return await node.spawner.spawn(
+                ExternalEngineActor, "teacher", args=(teacher.backend, folder, teacher.server),
+                kwargs={"http_host": node.host, "threads": teacher.threads, "api_key": self.api_key,
+                        "log_dir": str(self.folder.run_dir)}, env=self._gpu_env(node))
+        return await node.spawner.spawn(EngineActor, "teacher", args=(folder, teacher.engine),
+                                        kwargs={"num_threads": teacher.threads}, env=self._gpu_env(node))
+
+    async def start_teacher_scorer(self) -> str:
+        """The teacher's scoring stage, in this process (it reads the workers' arrays); its name."""
+        assert self.teacher is not None
+        teacher = self.config.teacher
+        if teacher.backend == "embedded":
+            kwargs: dict[str, Any] = {"engine": self.teacher.name}
+        else:
+            kwargs = {"url": await _engine_url(self.teacher), "backend": teacher.backend, "api_key": self.api_key}
+        self.teacher_scorer = await self.system.spawn(TeacherScorer, "teacher-scorer",
+                                                      kwargs=kwargs | {"max_in_flight": teacher.max_in_flight})
+        return self.teacher_scorer.name
 
     def _trainer_placement(self) -> list[RankPlacement]:
         """Each trainer rank's node (spawner, LOCAL_RANK there, address): `placement.trainer`. Ranks
@@ -351,6 +383,8 @@ class Fleet:
             "workers": workers, "buffer": "buffer", "seed": cfg.loop.seed if cfg.rollout.seeded else None,
             "trainer_version": version, "first_prompt": first_prompt, "retry_prompts": retry_prompts or [],
             "routed_experts": self.folder.moe_shape is not None}
+        if self.teacher is not None:
+            scheduler_kwargs["teacher"] = await self.start_teacher_scorer()
         if cfg.placement.scheduler != 0:  # it reports each finished sample to a recorder here, for the trace
             await self.system.spawn(SampleRecorder, "sample-recorder", args=(on_sample,))
             scheduler_kwargs["sample_sink"] = "sample-recorder"
@@ -466,9 +500,9 @@ class Fleet:
             await self.sessions.ask(AddSessionEngine(url=url), timeout_s=ASK_S)
 
     async def stop_roles(self) -> None:
-        """Stop the scheduler, buffer and session server, then the trainer ranks (the actor system's
+        """Stop the scheduler, buffer, session server and teacher scorer, then the trainer ranks (the actor system's
         close stops the rest)."""
-        for ref in (self.scheduler, self.buffer, self.sessions):
+        for ref in (self.scheduler, self.buffer, self.sessions, self.teacher_scorer):
             if ref is not None:
                 try:
                     await self.system.stop(ref)

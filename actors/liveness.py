@@ -96,7 +96,8 @@ class Liveness:
             self.watch_engine(ref)
             self._record(ref.name, "serving", version=self.version, pid=await self._pid(ref))
         trainer = self.fleet.trainer.refs if self.fleet.trainer is not None else []
-        for role in (self.fleet.scheduler, self.fleet.buffer, self.fleet.sessions, *trainer):
+        for role in (self.fleet.scheduler, self.fleet.buffer, self.fleet.sessions, self.fleet.teacher,
+                     self.fleet.teacher_scorer, *trainer):
             if role is not None:
                 self._watch(role, self._role_died)
         return self

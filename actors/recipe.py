@@ -18,6 +18,8 @@
     [trainer]    trainer.config.TrainerConfig: optimizer, loss, dtype, batch-invariant mode, ranks
     [weights]    actors.weights.WeightSyncConfig: transport, buckets, verification
     [eval]       actors.evaluation.EvalConfig: none | shared | dedicated | command, every N steps
+    [teacher]    actors.teacher.TeacherConfig: on-policy distillation's teacher (model, backend, bound);
+                 its signal's weight is trainer.policy_loss.distill_coef
     [placement]  actors.fleet.PlacementConfig: multi-node runs, the node of each role
 
 Every default is written once, in the component's struct. A few fields of those structs are set
@@ -43,6 +45,7 @@ import msgspec
 from miles_async.actors.evaluation import EvalConfig
 from miles_async.actors.fleet import PlacementConfig
 from miles_async.actors.rollout import AgentConfig, RolloutConfig
+from miles_async.actors.teacher import TeacherConfig
 from miles_async.actors.warmstart import WarmStartConfig
 from miles_async.actors.weights import WeightSyncConfig
 from miles_async.policies.buffer import BufferConfig
@@ -151,6 +154,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     trainer: TrainerConfig = TrainerConfig()
     weights: WeightSyncConfig = WeightSyncConfig()
     eval: EvalConfig = EvalConfig()
+    teacher: TeacherConfig = TeacherConfig()
     placement: PlacementConfig = PlacementConfig()
 
     def __post_init__(self) -> None:
@@ -190,6 +194,15 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         if backend == "embedded" and transport == "broadcast" and self.weights.backend == "nccl" and device == "cpu":
             raise ValueError('weights.backend = "nccl" moves GPU memory only, but rollout.engine.device = "cpu": set '
                              'it to "cuda" (or "auto"), or use weights.backend = "gloo"')
+        coef = self.trainer.policy_loss.distill_coef
+        if self.teacher.enabled != (coef > 0):
+            raise ValueError("[teacher] names a model but trainer.policy_loss.distill_coef is 0: set it > 0 (1.0 weighs "
+                             "the reverse KL like a unit advantage) or remove [teacher]" if self.teacher.enabled else
+                             f"trainer.policy_loss.distill_coef is {coef} but no teacher scores the samples: name one "
+                             "in [teacher] (path or pretrained)")
+        if self.trainer.advantage.reward_coef == 0 and self.buffer.filter == "nonzero_std":
+            raise ValueError('trainer.advantage.reward_coef = 0 trains on no task reward, but buffer.filter = '
+                             '"nonzero_std" drops every group whose task rewards are equal: set buffer.filter = "none"')
         self.placement.trainer_nodes(self.trainer.world_size)  # one node per rank, when listed
         task_config(self.task)  # [task.config] fits the plug-in's Config
 

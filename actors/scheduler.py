@@ -3,6 +3,7 @@ default; `RefillConfig.refill = "group"` frees a group's slots together, for com
 
     dataset ──► RefillScheduler ──Rollout──► RolloutWorker(s) ──► engines
                    ▲      │ Trajectory (metadata + a reference to its arrays)
+                   │      ├── (distillation) Score ──► TeacherScorer: the teacher's log-probs
                    │      └── n samples of a prompt ──PutGroup──► Buffer
                    ├── WeightVersionChanged (pusher side: an engine holds a new version)
                    ├── TrainerStepped (controller: a step trained these prompts)
@@ -14,7 +15,9 @@ default; `RefillConfig.refill = "group"` frees a group's slots together, for com
 The decisions (what to submit, where, whether admission is open) are
 `policies.refill.RefillPolicy`'s; this actor sends them and collects the answers. A finished
 sample frees its slot at once and the slot is refilled in the same turn; a group whose n samples
-are in goes to the buffer. Replies from an engine that was declared lost are ignored (the policy
+are in goes to the buffer. With a distillation teacher (`teacher`, actors/teacher.py) a finished
+sample's slot is refilled first and the sample is then scored by the teacher; its group goes to
+the buffer once every member is scored (a failed scoring fails the sample). Replies from an engine that was declared lost are ignored (the policy
 reissued those samples), so no sample is counted twice, and their arrays are freed from the data
 plane. The dataset's items are the task's, opaque here: a worker turns one into a prompt. When
 every sample fails (an agent that always raises, a session server or engine refusing at once),
@@ -44,6 +47,7 @@ import msgspec
 
 from miles_async.actors.buffer import GroupsDropped, PutGroup
 from miles_async.actors.rollout import Rollout, SamplingConfig, failed
+from miles_async.actors.teacher import Score
 from miles_async.policies.buffer import Group
 from miles_async.policies.refill import RefillConfig, RefillPolicy, Submit
 from miles_async.runtime import Actor, ActorDeadError, ActorRef, Clock, Message, RealClock, handler
@@ -125,7 +129,8 @@ class RefillScheduler(Actor):
                  workers: list[str], buffer: str, seed: int | None = None, trainer_version: int = 0, first_prompt: int = 0,
                  retry_prompts: list[int] | None = None,
                  on_sample: Callable[[Trajectory, bool], None] | None = None, clock: Clock | None = None,
-                 timeout_s: float = 3600.0, routed_experts: bool = False, sample_sink: str = "") -> None:
+                 timeout_s: float = 3600.0, routed_experts: bool = False, sample_sink: str = "",
+                 teacher: str = "") -> None:
         if not dataset:
             raise ValueError("the scheduler needs a non-empty dataset of prompts")
         if not workers:
@@ -142,6 +147,8 @@ class RefillScheduler(Actor):
         self.sink: ActorRef | None = None
         self.timeout_s = timeout_s
         self.routed_experts = routed_experts  # MoE: every rollout records its routed experts (R3)
+        self.teacher_name = teacher  # distillation: the TeacherScorer that scores every finished sample
+        self.teacher: ActorRef | None = None
         self.clock = clock or RealClock()
         self.workers: list[ActorRef] = []
         self.buffer: ActorRef | None = None
@@ -293,18 +300,36 @@ class RefillScheduler(Actor):
             self.system.dataplane.free(blobs([sample]))
             return
         self.num_samples_done += 1
-        await self._seen(sample, True)
-        key = (sample.prompt_id, sample.attempt)
-        members = self.groups.setdefault(key, [])
-        members.append(sample)
         submits = self.policy.on_sample_done(sample.request_id, self.clock.now())
         engine_load = self.policy.metrics(self.clock.now()).in_flight_per_engine
         for name, load in engine_load.items():
             self._mark_busy(name, load > 0)
-        self._dispatch(submits)
+        self._dispatch(submits)  # the slot is refilled before the teacher scores this one
+        if self.teacher_name and not sample.aborted:
+            sample = await self._score(sample)
+        await self._seen(sample, True)
+        key = (sample.prompt_id, sample.attempt)
+        members = self.groups.setdefault(key, [])
+        members.append(sample)
         if len(members) == self.policy.config.group_size:
             del self.groups[key]
             await self._put(sample.prompt_id, sample.attempt, members)
+
+    async def _score(self, sample: Trajectory) -> Trajectory:
+        """Distillation: the teacher's log-probs of the sample's tokens (actors/teacher.py). A failed
+        request fails the sample, as an engine error does (its group is dropped as aborted)."""
+        if self.teacher is None:
+            self.teacher = await self.system.lookup(self.teacher_name, timeout_s=60.0)
+        try:
+            return await self.teacher.ask(Score(sample=sample), timeout_s=self.timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the sample fails, the run goes on (the teacher's death
+            # ends it: the controller's liveness watch names it)
+            log.warning("the teacher could not score prompt %d: %s: %s", sample.prompt_id, type(e).__name__, e)
+            self.system.dataplane.free(blobs([sample]))
+            return msgspec.structs.replace(sample, finish_reason="error", error=f"teacher: {type(e).__name__}: {e}",
+                                           data=None)
 
     async def _put(self, prompt_id: int, attempt: int, members: list[Trajectory]) -> None:
         samples = tuple(sorted(members, key=lambda s: s.index))

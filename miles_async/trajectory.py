@@ -165,6 +165,8 @@ class Trajectory(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     num_tito_mismatches: int = 0  # multi-turn: turns whose re-tokenization disagreed with the ids used (TITO)
     submit_s: float = 0.0  # time.time() when sent to the engine (or the episode began)
     end_s: float = 0.0
+    teacher_s: float = 0.0  # distillation: the teacher's scoring request, and the wait for a free request slot
+    teacher_wait_s: float = 0.0
     data: TokenData | BlobRef | None = None  # the arrays, inline or in the data plane; None: nothing generated
 
     @property

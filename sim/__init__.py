@@ -19,7 +19,7 @@ It never imports an engine, a transport, an actor or ZeroMQ (the policies are pu
 rules in DESIGN.md hold it to that.
 """
 
-from miles_async.sim.costs import CostModel, GenCost, TrainCost, UpdateCost, fit_costs
+from miles_async.sim.costs import CostModel, GenCost, TeacherCost, TrainCost, UpdateCost, fit_costs
 from miles_async.sim.report import RunStats, compare, measure, staleness_distance
 from miles_async.sim.simulate import SimConfig, SimResult, simulate
 from miles_async.sim.trace import Trace, TraceError, load_trace, write_trace
@@ -27,6 +27,6 @@ from miles_async.sim.workload import RecordedWorkload, SampleSpec, SyntheticWork
 
 __all__ = [
     "CostModel", "GenCost", "RecordedWorkload", "RunStats", "SampleSpec", "SimConfig", "SimResult", "SyntheticWorkload",
-    "Trace", "TraceError", "TrainCost", "UpdateCost", "compare", "fit_costs", "load_trace", "measure", "simulate",
+    "TeacherCost", "Trace", "TraceError", "TrainCost", "UpdateCost", "compare", "fit_costs", "load_trace", "measure", "simulate",
     "staleness_distance", "write_trace",
 ]

@@ -28,6 +28,13 @@ Training (`TrainCost`): `base_s + per_token_s * tokens * fit_world_size / world_
 `overhead_s` of controller work between a step's update and the next batch request. Fitted by
 least squares on the recorded steps (the first, a warm-up, is left out when there are others).
 
+Distillation (`TeacherCost`): the teacher scores each finished sample in `request_s + token_s *
+tokens` (prompt and output), at most `SimConfig.teacher_in_flight` requests at once (the run's
+`teacher.max_in_flight`), the rest queued in order; a group reaches the buffer once all its
+samples are scored. Fitted by non-negative least squares on the recorded samples' `teacher_s`
+(each request's time as measured, so the teacher's own batching of concurrent requests is in the
+fitted numbers, not modelled: in sample for the run's concurrency).
+
 Weight updates (`UpdateCost`): the trainer is blocked `export_s` per step; the push then runs in
 the background for `push_s`, generation pauses for the last `paused_s` of it, and the engines
 hold the new version at its end. Medians of the recorded updates. `eval_s`: a shared evaluation's
@@ -107,11 +114,23 @@ class UpdateCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                              "generation pauses within the push")
 
 
+class TeacherCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    request_s: float = 0.0
+    token_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_nonneg(self, ("request_s", "token_s"))
+
+    def score_s(self, num_tokens: int) -> float:
+        return self.request_s + self.token_s * num_tokens
+
+
 class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     gen: GenCost = GenCost()
     train: TrainCost = TrainCost()
     update: UpdateCost = UpdateCost()
     eval_s: float = 0.0
+    teacher: TeacherCost = TeacherCost()
 
     def __post_init__(self) -> None:
         _check_nonneg(self, ("eval_s",))
@@ -121,7 +140,8 @@ class CostModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
 def fit_costs(trace: Trace) -> CostModel:
     """The cost model of a recorded (or synthetic) trace; see the module docstring."""
-    return CostModel(gen=fit_gen(trace), train=fit_train(trace), update=fit_update(trace), eval_s=_fit_eval(trace))
+    return CostModel(gen=fit_gen(trace), train=fit_train(trace), update=fit_update(trace), eval_s=_fit_eval(trace),
+                     teacher=fit_teacher(trace))
 
 
 def engine_concurrency(trace: Trace) -> dict[tuple[int, int, int], float]:
@@ -257,6 +277,18 @@ def fit_update(trace: Trace) -> UpdateCost:
     push_s = statistics.median(u.end_s - u.start_s for u in trace.updates)
     paused_s = min(statistics.median(u.paused_s for u in trace.updates), push_s)
     return UpdateCost(export_s=export_s, push_s=push_s, paused_s=paused_s)
+
+
+def fit_teacher(trace: Trace) -> TeacherCost:
+    """Least squares of each scored sample's `teacher_s` on its tokens (zero without a teacher)."""
+    scored = [s for s in trace.samples if s.teacher_s > 0]
+    if not scored:
+        return TeacherCost()
+    request_s, token_s = nnls([(1.0, float(s.prompt_tokens + s.output_tokens)) for s in scored],
+                              [s.teacher_s for s in scored])
+    if request_s <= 0 and token_s <= 0:
+        request_s = statistics.fmean(s.teacher_s for s in scored)
+    return TeacherCost(request_s=request_s, token_s=token_s)
 
 
 def _fit_eval(trace: Trace) -> float:

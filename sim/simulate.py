@@ -10,7 +10,10 @@ What happens, in the order the real controller does it (actors/controller.py):
 - The refill policy issues samples to engines; a sample waits `dispatch_s`, then per turn a
   prefill, its decode tokens and its tool time; when it ends the policy frees (and refills) its
   slot, and a group whose n samples are in goes to the buffer policy (accepted, dropped as
-  filtered or aborted, or held while the buffer is full until the next draw).
+  filtered or aborted, or held while the buffer is full until the next draw). With a
+  distillation teacher (`teacher_in_flight` > 0) each finished sample is scored first
+  (`TeacherCost`, at most that many at once, the rest queued in order); its group goes to the
+  buffer once every member is scored.
 - The trainer asks the buffer for `batch_groups` groups at its version (stale ones are dropped
   then, and retried or discarded), trains (`TrainCost`), tells the refill policy (the version goes
   up, those groups leave the admission count), exports (`export_s`, waiting for the previous push
@@ -90,14 +93,15 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     eval_every: int = 0
     num_steps: int = 100
     costs: Literal["fitted", "replay"] = "fitted"
+    teacher_in_flight: int = 0  # distillation: the teacher's scoring requests at once (0: no teacher stage)
 
     def __post_init__(self) -> None:
         for field in ("num_engines", "trainer_world_size", "group_size", "batch_groups", "target_in_flight",
                       "capacity_groups", "num_steps"):
             if getattr(self, field) < 1:
                 raise ValueError(f"SimConfig.{field} must be >= 1, got {getattr(self, field)}")
-        if self.max_staleness < 0 or self.eval_every < 0:
-            raise ValueError("SimConfig.max_staleness and eval_every must be >= 0")
+        if self.max_staleness < 0 or self.eval_every < 0 or self.teacher_in_flight < 0:
+            raise ValueError("SimConfig.max_staleness, eval_every and teacher_in_flight must be >= 0")
         for field, choices in _CHOICES.items():
             if getattr(self, field) not in choices:
                 raise ValueError(f"SimConfig.{field} must be one of {', '.join(choices)}, got {getattr(self, field)!r}")
@@ -129,7 +133,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                         refill=self.refill, partial=self.partial, capacity_groups=self.capacity_groups,
                         filter=self.filter, on_stale=self.on_stale, on_abort=self.on_abort,
                         eval_mode="shared" if self.eval_every else "none", eval_every=self.eval_every,
-                        num_steps=self.num_steps, transport="simulated")
+                        num_steps=self.num_steps, transport="simulated", teacher_in_flight=self.teacher_in_flight)
 
 
 class SimResult(msgspec.Struct, kw_only=True):
@@ -147,7 +151,7 @@ class SimResult(msgspec.Struct, kw_only=True):
 
 
 # Event codes (the heap holds (time, seq, code, object, generation)).
-_TICK, _START, _FINISH, _TRAIN_DONE, _EXPORT_DONE, _PAUSE, _COMMIT, _EVAL_DONE, _ASK = range(9)
+_TICK, _START, _FINISH, _TRAIN_DONE, _EXPORT_DONE, _PAUSE, _COMMIT, _EVAL_DONE, _ASK, _SCORED = range(10)
 
 
 class _Sample:
@@ -277,6 +281,8 @@ class Simulator:
         self._pending_tokens = 0
         self.push_start = 0.0
         self.eval_start = 0.0
+        self.scoring = 0  # distillation: teacher requests out, and samples waiting for one
+        self.score_queue: deque[tuple[Trajectory, SampleTrace | None, float]] = deque()
 
     def now(self) -> float:
         """The virtual clock the policies read."""
@@ -290,7 +296,7 @@ class Simulator:
             self._issue(self.refill.add_engine(engine.name, version=0, now=self.t))
         self._ask_batch()
         handlers = (self._tick, self._start, self._finish, self._train_done, self._export_done, self._pause,
-                    self._commit, self._eval_done, self._overhead_done)
+                    self._commit, self._eval_done, self._overhead_done, self._scored)
         heap, pop = self.heap, heapq.heappop
         while heap and not self.done:
             t, _, code, obj, gen = pop(heap)
@@ -420,12 +426,13 @@ class Simulator:
         del self.requests[sample.request_id]
         self.num_generated += 1
         spec = sample.spec
+        trace = None
         if self.record:
-            self.records.append(SampleTrace(
+            trace = SampleTrace(
                 prompt_id=sample.prompt_id, index=sample.index, attempt=sample.attempt, engine=engine.name,
                 submit_s=sample.issue_t + self.costs.gen.dispatch_s, end_s=self.t, prompt_tokens=spec.prompt_tokens,
                 output_tokens=spec.output_tokens, versions=list(sample.versions), reward=spec.reward,
-                finish_reason="abort" if aborted else "stop", num_turns=spec.num_turns, tool_s=spec.tool_s))
+                finish_reason="abort" if aborted else "stop", num_turns=spec.num_turns, tool_s=spec.tool_s)
         # The simulator knows which versions a sample saw, not at which tokens: empty spans, in order.
         end = spec.prompt_tokens + spec.output_tokens
         record = Trajectory(prompt_id=sample.prompt_id, index=sample.index, attempt=sample.attempt,
@@ -438,13 +445,42 @@ class Simulator:
                 f"no train step in the last {self.num_generated - self._generated_at_step} samples (step "
                 f"{len(self.steps)} of {self.config.num_steps}, t={self.t:.3f}s): every group is dropped "
                 f"({dict(self.dropped)}); with filter=nonzero_std a group whose rewards are all equal is dropped")
-        key = (sample.prompt_id, sample.attempt)
+        if self.config.teacher_in_flight and not aborted:  # the slot is refilled; the teacher scores it now
+            self.score_queue.append((record, trace, self.t))
+            self._score_next()
+            return
+        if trace is not None:
+            self.records.append(trace)
+        self._grouped(record)
+
+    def _grouped(self, record: Trajectory) -> None:
+        key = (record.prompt_id, record.attempt)
         members = self.partial.setdefault(key, [])
         members.append(record)
         if len(members) == self.config.group_size:
             del self.partial[key]
             members.sort(key=lambda r: r.index)
-            self._put(Group(prompt_id=sample.prompt_id, samples=tuple(members), attempt=sample.attempt))
+            self._put(Group(prompt_id=record.prompt_id, samples=tuple(members), attempt=record.attempt))
+
+    # ----- distillation: the teacher's scoring stage -----
+
+    def _score_next(self) -> None:
+        """Start scoring queued samples while fewer than teacher_in_flight requests are out."""
+        while self.score_queue and self.scoring < self.config.teacher_in_flight:
+            record, trace, queued_t = self.score_queue.popleft()
+            self.scoring += 1
+            score_s = self.costs.teacher.score_s(record.num_tokens)
+            if trace is not None:
+                trace = msgspec.structs.replace(trace, teacher_s=score_s, teacher_wait_s=self.t - queued_t)
+            self._at(self.t + score_s, _SCORED, (record, trace))
+
+    def _scored(self, obj: object, _gen: int) -> None:
+        record, trace = obj  # type: ignore[misc]
+        self.scoring -= 1
+        if trace is not None:
+            self.records.append(trace)
+        self._grouped(record)
+        self._score_next()
 
     def _load(self, sample: _Sample, on: bool) -> None:
         """A sample joins or leaves its engine's load: the decode rate changes, so reschedule."""

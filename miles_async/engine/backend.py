@@ -96,6 +96,11 @@ class EngineBackend(Protocol):
         """The server's own description of itself (its configuration), as it gives it."""
         ...
 
+    async def score(self, input_ids: list[int], start: int) -> list[float]:
+        """The log-prob of each of `input_ids[start:]` given the tokens before it, under the served
+        weights, in one prefill-only request (nothing is generated); 1 <= start < len(input_ids)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -180,9 +185,16 @@ class SGLangBackend:
         raise NotImplementedError("SGLang has no call that overwrites its weights")
 
     async def prompt_logprobs(self, input_ids: list[int]) -> list[float]:
-        out = await self.client.generate(input_ids=input_ids, sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-                                         return_logprob=True, logprob_start_len=0)
-        return [float(entry[0]) for entry in out["meta_info"]["input_token_logprobs"][1:]]
+        return await self.score(input_ids, 1)
+
+    async def score(self, input_ids: list[int], start: int) -> list[float]:
+        check_score_start(input_ids, start)
+        # SGLang scores from `logprob_start_len` on, its first entry without a log-prob: start one
+        # token early and keep the tail (max_new_tokens 0: prefill only).
+        out = await self.client.generate(input_ids=input_ids, sampling_params={"max_new_tokens": 0, "temperature": 0.0},
+                                         return_logprob=True, logprob_start_len=start - 1)
+        entries = out["meta_info"]["input_token_logprobs"][-(len(input_ids) - start):]
+        return [float(entry[0]) for entry in entries]
 
     # ----- SGLang's weight-update group: the distributed transport (actors/distributed.py) -----
 
@@ -220,6 +232,12 @@ def _succeeded(reply: Any, path: str) -> None:
     the client raises already): raise that too."""
     if isinstance(reply, dict) and reply.get("success") is False:
         raise EngineHTTPError(400, str(reply.get("message")), path)
+
+
+def check_score_start(input_ids: list[int], start: int) -> None:
+    if not 1 <= start < len(input_ids):
+        raise ValueError(f"score: start must be in [1, {len(input_ids)}) for {len(input_ids)} tokens (the first "
+                         f"token has nothing before it), got {start}")
 
 
 def connect(kind: Backend, url: str, *, api_key: str | None = None, timeout_s: float = 600.0) -> EngineBackend:

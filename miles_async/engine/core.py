@@ -20,7 +20,9 @@ How a step runs. The engine loop is one asyncio task. Each step, holding the eng
      positions a request asked log-probs of (`logprob_start_len`: those positions are never
      taken from the prefix cache, whose KV holds no logits);
   3. applies the results: appends tokens, checks stop conditions, finishes requests (their full
-     KV blocks go into the prefix cache), and wakes whoever waits on them.
+     KV blocks go into the prefix cache), and wakes whoever waits on them. A request with
+     `max_new_tokens = 0` that asked prompt log-probs is prefill only: it finishes when its prompt
+     is computed, having sampled nothing (SGLang's scoring request, a distillation teacher's).
 Control calls (abort, pause, flush, weight updates) take the same lock, so they act between
 steps; `submit` does not need it.
 
@@ -378,7 +380,7 @@ class Engine:
             logprob_start_len=request.logprob_start_len if request.return_logprob else -1,
             top_logprobs_num=request.top_logprobs_num if request.return_logprob else 0)
         self._requests[rid] = state
-        if params.max_new_tokens == 0:
+        if params.max_new_tokens == 0 and state.next_scored_position() is None:  # nothing to compute
             self._finish(state, {"type": "length", "length": 0})
             return state
         self._waiting.append(state)
@@ -855,13 +857,16 @@ class Engine:
             if not sampled:
                 continue
             token, logprob, top = next(picked)
-            if top is not None:
-                request.output_top.append(top)
             if request.prefilling:
                 # The prompt (or a re-prefill after retraction) is complete: share its full blocks now.
                 request.prefilling = False
                 if request.cache_epoch == self._cache_epoch:
                     self.cache.tree.insert(request.all_ids, request.blocks, request.num_computed)
+            if request.params.max_new_tokens == 0:  # prefill only, for the prompt's log-probs (SGLang's scoring)
+                self._finish(request, {"type": "length", "length": 0})
+                continue
+            if top is not None:
+                request.output_top.append(top)
             request.output_ids.append(token)
             request.output_logprobs.append(logprob)
             if (request.weight_versions and request.weight_versions[-1] == self.weights.version

@@ -41,7 +41,7 @@ from typing import Any
 
 import aiohttp
 
-from miles_async.engine.backend import GenerateParams, PauseMode
+from miles_async.engine.backend import GenerateParams, PauseMode, check_score_start
 from miles_async.engine.client import EngineHTTPError, EngineOutput, bearer, error_message
 from miles_async.engine.process import ServerProcess
 from miles_async.trajectory import VersionSpan
@@ -292,11 +292,17 @@ class VllmBackend:
 
     async def prompt_logprobs(self, input_ids: list[int]) -> list[float]:
         """The log-prob of each prompt token after the first, under the served weights."""
+        return await self.score(input_ids, 1)
+
+    async def score(self, input_ids: list[int], start: int) -> list[float]:
+        """`EngineBackend.score`: vLLM's prompt log-probs cover the whole prompt (it has no start
+        position); the tail from `start` is kept. A cache salt of its own keeps the prefix cache out."""
+        check_score_start(input_ids, start)
         reply = await self._request("POST", "/v1/completions", {
             "model": await self.model(), "prompt": input_ids, "max_tokens": 1, "temperature": 0.0,
             "prompt_logprobs": 0, "cache_salt": f"probe-{next(self._ids)}", "return_token_ids": True})
-        entries = reply["choices"][0]["prompt_logprobs"][1:]
-        return [float(entry[str(token)]["logprob"]) for entry, token in zip(entries, input_ids[1:])]
+        entries = reply["choices"][0]["prompt_logprobs"][start:]
+        return [float(entry[str(token)]["logprob"]) for entry, token in zip(entries, input_ids[start:])]
 
 
 def parse_completion(choice: dict[str, Any], *, version: int) -> EngineOutput:

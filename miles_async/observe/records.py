@@ -20,6 +20,7 @@ kind = "run" (`RunTrace`): the header, the first record a process writes.
     target_in_flight, max_in_flight_per_engine, refill, partial, capacity_groups, filter,
     on_stale, on_abort, eval_mode, eval_every, num_steps, transport
                            the run's settings, as in the recipe (rollout.*, loop.*, buffer.*, ...)
+    teacher_in_flight      distillation: teacher.max_in_flight, the scoring stage's bound; 0: no teacher
     The RL phase starts with the first train step's start_s: records before it (the weight
     updates of an SFT warm start, a resumed run's first push) belong to the warm-up.
 
@@ -43,6 +44,9 @@ kind = "sample" (`SampleTrace`): one attempt at one completion of one prompt.
     num_turns      int    engine calls of a multi-turn episode (1 for a single generation)
     tool_s         s      time the episode spent outside the engine (tools, environment); 0.0
                           when not measured
+    teacher_s      s      distillation: the teacher's scoring request for this sample (it starts
+                          after end_s, once a request slot is free); 0.0 without a teacher
+    teacher_wait_s s      distillation: the wait for that slot (the stage's queue)
 
 kind = "train_step" (`StepTrace`): one optimiser step of the trainer.
     step            int    1-based optimiser step number
@@ -129,6 +133,7 @@ class RunTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag=
     eval_every: int = 0
     num_steps: int = 0
     transport: str = ""
+    teacher_in_flight: int = 0  # distillation: the teacher stage's bound on requests out (0: no teacher)
 
 
 class SampleTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="sample"):
@@ -146,6 +151,8 @@ class SampleTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", t
     dropped: str = ""
     num_turns: int = 1
     tool_s: float = 0.0
+    teacher_s: float = 0.0  # distillation: the teacher's scoring request (after end_s), and its wait for a slot
+    teacher_wait_s: float = 0.0
 
 
 class StepTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="train_step"):

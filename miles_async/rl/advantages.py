@@ -33,17 +33,23 @@ class AdvantageConfig(msgspec.Struct, frozen=True, kw_only=True):
     estimator: "grpo" (group-relative) or "reinforce" (reward minus a baseline).
     normalize_std: GRPO only; divide the centred rewards by the group's std (unbiased) + std_eps.
     std_eps: keeps a group whose rewards are all equal at advantage 0 rather than 0/0.
+    reward_coef: the task reward's weight in the advantage (applied after the estimator: GRPO's
+        normalized advantage is scale-free). 0 records the reward but trains on other signals
+        only (on-policy distillation with task reward zero).
     """
 
     estimator: Literal["grpo", "reinforce"] = "grpo"
     normalize_std: bool = True
     std_eps: float = 1e-6
+    reward_coef: float = 1.0
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"AdvantageConfig.estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
         if not self.std_eps > 0:
             raise ValueError(f"AdvantageConfig.std_eps must be > 0, got {self.std_eps}")
+        if not self.reward_coef >= 0:
+            raise ValueError(f"AdvantageConfig.reward_coef must be >= 0, got {self.reward_coef}")
 
 
 def grpo_advantages(rewards_GS: torch.Tensor, *, normalize_std: bool = True, std_eps: float = 1e-6) -> torch.Tensor:

@@ -42,6 +42,8 @@ AGGREGATIONS: tuple[str, ...] = ("token", "sequence", "seq-mean-token-sum")
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 Aggregation = Literal["token", "sequence", "seq-mean-token-sum"]
 KLEstimator = Literal["k1", "k2", "k3"]
+DISTILL_MODES: tuple[str, ...] = ("advantage", "kl")
+DistillMode = Literal["advantage", "kl"]
 # exp() of a log-ratio past this overflows float32 long before it means anything: clamp first.
 _MAX_LOG_RATIO = 20.0
 
@@ -54,9 +56,15 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
     dual_clip_c: for negative advantages the loss is bounded by c * |A| (c > 1); None disables.
     tis_cap: truncated importance sampling cap on exp(old_logp - rollout_logp); None disables TIS.
     kl_coef / kl_estimator: weight and estimator of KL(policy || reference); 0 disables.
-    distill_coef: on-policy distillation (`distill_advantages`): each trained token's advantage
-        loses distill_coef x (rollout log-prob - teacher log-prob), a one-sample estimate of the
-        reverse KL to the teacher at that position; 0 disables.
+    distill_coef: on-policy distillation's weight; 0 disables. How the signal enters
+        (`distill_mode`): "advantage" (`distill_advantages`: each trained token's advantage loses
+        distill_coef x (student log-prob - teacher log-prob), a one-sample estimate of the reverse
+        KL to the teacher at that position; the student's are the log-probs the step starts from,
+        `old_logp_T`: the trainer's at the weights being trained, not the engine's, which may be
+        versions behind), or "kl" (the plain reverse-KL loss, for comparison:
+        distill_coef x the k2 estimate of KL(policy || teacher) added to the loss, the KL term with
+        the teacher as its reference; its gradient per sampled token is
+        (log p - log p_teacher) grad log p, the reverse KL's on-policy gradient).
     entropy_coef: weight of the entropy bonus (subtracted from the loss); 0 disables.
     aggregation: "token", "sequence" or "seq-mean-token-sum" (see the module docstring).
     """
@@ -69,6 +77,7 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
     kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
     distill_coef: float = 0.0
+    distill_mode: DistillMode = "advantage"
     aggregation: Aggregation = "token"
 
     def __post_init__(self) -> None:
@@ -86,6 +95,8 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"PolicyLossConfig.kl_estimator must be one of {KL_ESTIMATORS}, got "
                              f"{self.kl_estimator!r}")
+        if self.distill_mode not in DISTILL_MODES:
+            raise ValueError(f"PolicyLossConfig.distill_mode must be one of {DISTILL_MODES}, got {self.distill_mode!r}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"PolicyLossConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
 
@@ -94,7 +105,8 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
 class PolicyLossOutput:
     """The loss (with gradient), its detached parts, and per-token flags for the step's metrics.
 
-    The parts are aggregated like the loss: loss = pg_loss + kl_coef * kl - entropy_coef * entropy.
+    The parts are aggregated like the loss: loss = pg_loss + kl_coef * kl - entropy_coef * entropy (+ distill_coef
+    * the reverse KL to the teacher with distill_mode "kl").
     `clipped_T`: the PPO clip set the token's term (its gradient is 0); `dual_clipped_T`: the dual
     clip did; `tis_truncated_T`: the TIS weight hit the cap. All three are False off the loss mask.
     """
@@ -138,18 +150,18 @@ def tis_weights(old_logp_T: torch.Tensor, rollout_logp_T: torch.Tensor,
         return torch.clamp(raw_T, max=cap), truncated_T
 
 
-def distill_advantages(advantages_T: torch.Tensor, rollout_logp_T: torch.Tensor, teacher_logp_T: torch.Tensor,
+def distill_advantages(advantages_T: torch.Tensor, student_logp_T: torch.Tensor, teacher_logp_T: torch.Tensor,
                        coef: float) -> torch.Tensor:
     """On-policy distillation folded into the advantage: A_t - coef * (log p_student(x_t) - log p_teacher(x_t)).
 
-    x_t is the token the student sampled (the rollout's log-prob is the student's), so the
+    x_t is the token the student sampled and `student_logp_T` the student's log-prob of it, so the
     difference is a one-sample estimate of KL(student || teacher) at position t: positive where
     the student favours the token more than the teacher does (its advantage falls), negative
     where the teacher favours it more. Folded into the advantage rather than the loss, it combines
     with any advantage (GRPO's, PPO's, or zero task reward). Detached: no gradient flows through it.
     """
     with torch.no_grad():
-        return advantages_T - coef * (rollout_logp_T - teacher_logp_T)
+        return advantages_T - coef * (student_logp_T - teacher_logp_T)
 
 
 def kl_estimate(logp_T: torch.Tensor, ref_logp_T: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
@@ -216,20 +228,22 @@ def policy_loss(logp_T: torch.Tensor, advantages_T: torch.Tensor, loss_mask_T: t
                 teacher_logp_T: torch.Tensor | None = None, denominator: float | None = None) -> PolicyLossOutput:
     """PPO-clip policy loss with TIS, KL and entropy terms, aggregated by `config.aggregation`.
 
-    `rollout_logp_T` is needed when `config.tis_cap` is set or `config.distill_coef` > 0,
-    `ref_logp_T` when `config.kl_coef` > 0, `teacher_logp_T` when `config.distill_coef` > 0 (the
-    advantages are then folded with `distill_advantages` first), and `entropy_T` (with gradient)
-    when `config.entropy_coef` > 0.
+    `rollout_logp_T` is needed when `config.tis_cap` is set, `ref_logp_T` when `config.kl_coef` > 0,
+    `teacher_logp_T` when `config.distill_coef` > 0 (with `distill_mode` "advantage" the advantages
+    are first folded with `distill_advantages`, from the student's log-probs the step starts from:
+    `old_logp_T`; with "kl" the reverse-KL term is added to the loss), and `entropy_T` (with
+    gradient) when `config.entropy_coef` > 0.
     """
     _check_same_shape(logp_T, advantages_T=advantages_T, loss_mask_T=loss_mask_T, old_logp_T=old_logp_T,
                       rollout_logp_T=rollout_logp_T, ref_logp_T=ref_logp_T, entropy_T=entropy_T,
                       teacher_logp_T=teacher_logp_T)
-    if config.distill_coef > 0:
-        if teacher_logp_T is None or rollout_logp_T is None:
-            raise ValueError("PolicyLossConfig.distill_coef > 0 needs teacher_logp_T and rollout_logp_T (the "
-                             "student's); pass both or set distill_coef=0")
-        advantages_T = distill_advantages(advantages_T, rollout_logp_T, teacher_logp_T, config.distill_coef)
+    if config.distill_coef > 0 and teacher_logp_T is None:
+        raise ValueError("PolicyLossConfig.distill_coef > 0 needs teacher_logp_T (the teacher's log-probs of the "
+                         "same tokens); pass them or set distill_coef=0")
     old_logp_T = logp_T.detach() if old_logp_T is None else old_logp_T.detach()
+    if config.distill_coef > 0 and config.distill_mode == "advantage":
+        assert teacher_logp_T is not None
+        advantages_T = distill_advantages(advantages_T, old_logp_T, teacher_logp_T, config.distill_coef)
     mask_T = loss_mask_T != 0
     pg_T, clipped_T, dual_clipped_T = ppo_clip_loss(
         logp_T, old_logp_T, advantages_T, eps_clip_low=config.eps_clip_low,
@@ -257,6 +271,9 @@ def policy_loss(logp_T: torch.Tensor, advantages_T: torch.Tensor, loss_mask_T: t
                              "log-probs or set kl_coef=0")
         kl = agg(kl_estimate(logp_T, ref_logp_T.detach(), config.kl_estimator))
         loss = loss + config.kl_coef * kl
+    if config.distill_coef > 0 and config.distill_mode == "kl":
+        assert teacher_logp_T is not None  # checked above
+        loss = loss + config.distill_coef * agg(kl_estimate(logp_T, teacher_logp_T.detach(), "k2"))
     entropy = pg_loss.new_zeros(())
     if config.entropy_coef > 0:
         if entropy_T is None:

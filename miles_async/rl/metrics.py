@@ -11,8 +11,9 @@ sums of exact zeros stay exactly zero, so in true-on-policy mode the mismatch re
 - clip_fraction / dual_clip_fraction / tis_truncated_fraction: share of trained tokens whose PPO
   term was clipped, dual-clipped, or whose TIS weight hit the cap (from `PolicyLossOutput`).
 - entropy: mean per-token entropy of the trainer's distribution.
-- teacher_kl: mean of rollout log-prob - teacher log-prob over trained tokens, the one-sample
-  reverse KL to a distillation teacher (0.0 without teacher log-probs).
+- teacher_kl: mean of trainer log-prob - teacher log-prob over trained tokens, the one-sample
+  estimate of the student's reverse KL to a distillation teacher at the weights being trained
+  (0.0 without teacher log-probs).
 Grad norm and tokens/s are the trainer's own.
 
 Tensor names (STYLE rule 10): T tokens (any layout), K metric sums.
@@ -94,5 +95,5 @@ def metric_sums(*, trainer_logp_T: torch.Tensor, rollout_logp_T: torch.Tensor, l
             masked_sum(None if loss is None else loss.dual_clipped_T),
             masked_sum(None if loss is None else loss.tis_truncated_T),
             masked_sum(entropy_T),
-            masked_sum(None if teacher_logp_T is None else rollout_logp_T.double() - teacher_logp_T.double()),
+            masked_sum(None if teacher_logp_T is None else trainer_logp_T.double() - teacher_logp_T.double()),
         ])

@@ -129,7 +129,7 @@ def micro_batch_loss(model: nn.Module, batch: PackedBatch, config: TrainerConfig
             ref_T = logp_T.detach() if batch.ref_logprobs_T is None else batch.ref_logprobs_T.to(device)
         old_T = rollout_T if config.old_logprobs == "rollout" else None
         # (a padding micro-batch, no samples, carries no teacher: it trains nothing, fold no distance)
-        fold_T = rollout_T if teacher_T is None and loss_config.distill_coef > 0 else teacher_T
+        fold_T = logp_T.detach() if teacher_T is None and loss_config.distill_coef > 0 else teacher_T
         out = policy_loss(logp_T, batch.advantages_T.to(device), mask_T, seq_ids_T, loss_config,
                           old_logp_T=old_T, rollout_logp_T=rollout_T, ref_logp_T=ref_T,
                           entropy_T=entropy_T if loss_config.entropy_coef > 0 else entropy_T.detach(),

@@ -135,8 +135,11 @@ def micro_batches(samples: Sequence[Trajectory], max_tokens: int, count: int) ->
 def group_advantages(samples: Sequence[Trajectory], config: AdvantageConfig) -> list[float]:
     """One advantage per sample, from the rewards of its group (the samples of one prompt attempt).
 
-    Every group needs the same number of samples (GRPO's n per prompt).
+    Every group needs the same number of samples (GRPO's n per prompt). Scaled by
+    `config.reward_coef` (0: all zero).
     """
+    if config.reward_coef == 0:
+        return [0.0] * len(samples)
     groups: dict[tuple[int, int], list[int]] = {}
     for i, sample in enumerate(samples):
         groups.setdefault((sample.prompt_id, sample.attempt), []).append(i)
@@ -149,7 +152,7 @@ def group_advantages(samples: Sequence[Trajectory], config: AdvantageConfig) -> 
     out = [0.0] * len(samples)
     for g, members in enumerate(members_GS):
         for s, i in enumerate(members):
-            out[i] = float(advantages_GS[g, s])
+            out[i] = float(advantages_GS[g, s]) * config.reward_coef
     return out
 
 

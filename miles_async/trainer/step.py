@@ -65,7 +65,7 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     dual_clip_fraction: float = 0.0
     tis_truncated_fraction: float = 0.0  # the TIS weight hit the cap
     entropy: float = 0.0  # per-token entropy of the trainer's distribution
-    teacher_kl: float = 0.0  # rollout log-prob - teacher log-prob: the reverse KL to a distillation teacher
+    teacher_kl: float = 0.0  # trainer log-prob - teacher log-prob: the reverse KL to a distillation teacher
     # The loss's parts, aggregated like the loss (loss = pg_loss + kl_coef * kl - entropy_coef * entropy):
     pg_loss: float = 0.0
     kl: float = 0.0  # to the reference log-probs (0 unless kl_coef > 0)

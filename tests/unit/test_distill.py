@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_async.models import init_model
+from miles_async.models import init_model, load_pretrained
 from miles_async.rl import PolicyLossConfig, RLMetrics, distill_advantages, metric_sums, policy_loss
 from miles_async.trainer.config import TrainerConfig
 from miles_async.trainer.fsdp import single_process_group
@@ -45,6 +45,25 @@ def test_the_reverse_kl_is_folded_into_the_advantage_by_hand() -> None:
         PolicyLossConfig(distill_coef=-1.0)
 
 
+def test_the_plain_reverse_kl_loss_by_hand() -> None:
+    rollout, teacher = torch.tensor(ROLLOUT), torch.tensor(TEACHER)
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    config = PolicyLossConfig(distill_coef=0.5, distill_mode="kl", tis_cap=None)
+    logp = rollout.clone().requires_grad_()
+    # zero advantages: the loss is 0.5 x mean over the trained tokens of (logp - teacher)^2 / 2
+    out = policy_loss(logp, torch.zeros(4), mask, None, config, teacher_logp_T=teacher)
+    assert float(out.loss.detach()) == pytest.approx(0.5 * (0.5**2 + 0.0 + 1.8**2) / 2 / 3)
+    out.loss.backward()
+    # the reverse KL's on-policy gradient: coef x (logp - teacher) / 3 on each trained token
+    assert logp.grad is not None and logp.grad.tolist() == pytest.approx([0.5 * 0.5 / 3, 0.0, 0.5 * -1.8 / 3, 0.0])
+    # the advantage is left alone (no rollout log-probs needed): with advantage 1 the policy term adds -1
+    both = policy_loss(rollout.clone().requires_grad_(), torch.ones(4), mask, None, config, teacher_logp_T=teacher)
+    assert float(both.loss.detach()) == pytest.approx(float(out.loss.detach()) - 1.0)
+    assert float(both.pg_loss) == pytest.approx(-1.0)
+    with pytest.raises(ValueError, match="distill_mode must be one of"):
+        PolicyLossConfig(distill_mode="forward")  # type: ignore[arg-type]
+
+
 def test_teacher_logprobs_pack_like_the_rollouts() -> None:
     scored = TokenData.build(tokens=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1], logprobs=[0.0] + ROLLOUT[:3],
                              teacher_logprobs=[0.0] + TEACHER[:3])
@@ -69,8 +88,14 @@ def test_a_trainer_step_with_task_reward_zero_learns_from_the_teacher_alone(tmp_
         samples.append(Trajectory(prompt_id=0, reward=0.0, num_tokens=10, num_prompt_tokens=6, num_generated_tokens=4,
                                   data=TokenData.build(tokens=prompt + answer, loss_mask=[0] * 6 + [1] * 4,
                                                        logprobs=rollout, teacher_logprobs=teacher)))
-    expected_kl = sum(r - t for s in samples for r, t, m in zip(s.data.logprob_array(), s.data.teacher_logprob_array(),
-                                                                s.data.mask()) if m) / 16
+    model = load_pretrained(folder)
+    expected_kl = 0.0  # the student's log-probs now (the trainer's), minus the teacher's, over the 16 answer tokens
+    with torch.no_grad():
+        for s in samples:
+            tokens = torch.tensor(s.data.token_ids().astype("int64"))
+            logp_TV = torch.log_softmax(model(tokens[None], torch.arange(10)[None])[0].float(), dim=-1)
+            student = logp_TV[5:9].gather(1, tokens[6:, None]).squeeze(1)
+            expected_kl += float((student - torch.tensor(s.data.teacher_logprob_array()[6:])).sum()) / 16
 
     def step(distill_coef: float):
         config = TrainerConfig(model_dir=str(folder), lr=1e-3, policy_loss=PolicyLossConfig(distill_coef=distill_coef))

@@ -43,6 +43,13 @@ def test_the_shipped_recipe_loads_and_overrides_apply():
     (["loop.num_steps.x=1"], "is a value, not a table"),
     (["eval.mode=command"], "needs eval.command"),
     (["buffer.capacity_groups=4", "loop.batch_groups=8"], "must hold a batch"),
+    (['teacher.path="runs/x/final_model"'], r"\[teacher\] names a model but trainer.policy_loss.distill_coef is 0"),
+    (["trainer.policy_loss.distill_coef=0.5"], "distill_coef is 0.5 but no teacher scores the samples"),
+    (["trainer.policy_loss.distill_mode=forward"], "Invalid enum value .forward. - at `\\$.trainer.policy_loss.distill_mode`"),
+    (['teacher.path="a"', 'teacher.pretrained="smollm2"'], "both name the teacher: keep one"),
+    (['teacher.path="a"', "trainer.policy_loss.distill_coef=1", "teacher.max_in_flight=0"],
+     "teacher.max_in_flight must be >= 1"),
+    (["trainer.advantage.reward_coef=0"], 'buffer.filter = "nonzero_std" drops every group'),
 ])
 def test_mistakes_name_the_key(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -105,6 +112,14 @@ def test_true_on_policy_dtype_and_engine_features_are_reachable():
 def test_colocated_is_refused_when_the_recipe_loads():
     with pytest.raises(ValueError, match='"colocated" hands the weights over inside one process'):
         load_recipe(RECIPE, ["weights.transport=colocated"])
+
+
+def test_the_distillation_recipe_loads_with_its_teacher():
+    config = load_recipe(RECIPE.with_name("distill-reverse.toml"))
+    assert config.teacher.enabled and config.teacher.path == "runs/reverse/final_model"
+    assert config.trainer.policy_loss.distill_coef == 1.0 and config.trainer.advantage.reward_coef == 0.0
+    assert config.buffer.filter == "none" and config.rollout.sampling.temperature == 1.0
+    assert not load_recipe(RECIPE).teacher.enabled
 
 
 def test_the_calculator_recipe_loads_as_a_multi_turn_task():

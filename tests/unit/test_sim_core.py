@@ -21,6 +21,7 @@ from miles_async.sim import (
     GenCost,
     SampleSpec,
     SimConfig,
+    TeacherCost,
     TrainCost,
     UpdateCost,
     load_trace,
@@ -488,3 +489,27 @@ def test_recorded_counts_match_the_stats():
     steps = of(result, StepTrace)
     assert [s.step for s in steps] == list(range(1, result.stats.num_steps + 1))  # the last step too
     assert all(s.num_samples == 8 for s in steps)
+
+
+# ----- distillation: the teacher's scoring stage -----
+
+def test_the_teacher_scores_each_sample_at_most_k_at_once_before_its_group_is_put():
+    a, score_s = 0.01, 0.5 + 0.001 * (10 + 100)
+    model = msgspec.structs.replace(costs(a=a, base=1.0), teacher=TeacherCost(request_s=0.5, token_s=0.001))
+    config = SimConfig(mode="sync", group_size=4, batch_groups=2, target_in_flight=8, capacity_groups=2,
+                       num_steps=4, teacher_in_flight=2)
+    result = simulate(config, model, Fixed([100], prompt_tokens=10), record=True)
+    gen = ps_finish_times([100] * 8, a, 0.0)[-1]
+    # eight samples end together; two at a time are scored, so the batch is ready four requests later
+    assert result.stats.step_s_mean == approx(gen + 4 * score_s + 1.0, rel=1e-9)
+    first = [r for r in of(result, SampleTrace) if r.prompt_id in (0, 1)]
+    assert sorted(r.teacher_wait_s for r in first) == approx([0, 0, score_s, score_s, 2 * score_s, 2 * score_s,
+                                                              3 * score_s, 3 * score_s])
+    assert all(r.teacher_s == approx(score_s) for r in first)
+    # asynchronous and teacher-bound: one request at a time caps the run at 1 / score_s samples a second
+    config = SimConfig(mode="async", max_staleness=2, group_size=4, batch_groups=2, target_in_flight=8,
+                       capacity_groups=16, num_steps=20, teacher_in_flight=1)
+    stats = simulate(config, model, Fixed([100], prompt_tokens=10)).stats
+    assert stats.samples_per_s == approx(1 / score_s, rel=1e-6)
+    with pytest.raises(ValueError, match="teacher_in_flight must be >= 0"):
+        SimConfig(teacher_in_flight=-1)

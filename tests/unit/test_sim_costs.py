@@ -20,6 +20,7 @@ from miles_async.sim import (
     RunStats,
     SampleSpec,
     SimConfig,
+    TeacherCost,
     TrainCost,
     UpdateCost,
     compare,
@@ -298,3 +299,18 @@ def test_cost_model_round_trips_as_json():
     assert msgspec.json.decode(msgspec.json.encode(TRUE), type=CostModel) == TRUE
     with pytest.raises(msgspec.ValidationError):
         msgspec.json.decode(b'{"gen": {"tokens_s": 1.0}}', type=CostModel)  # a typo is not ignored
+
+
+def test_fit_recovers_the_teacher_cost_and_the_resimulation_with_it(tmp_path):
+    true = msgspec.structs.replace(TRUE, teacher=TeacherCost(request_s=0.05, token_s=0.002))
+    config = SimConfig(num_engines=2, mode="async", max_staleness=1, group_size=4, batch_groups=4,
+                       target_in_flight=16, capacity_groups=16, num_steps=30, teacher_in_flight=2)
+    result = simulate(config, true, Varied(), record=True)
+    trace = load_trace(write(result, tmp_path / "t.jsonl"))
+    assert trace.header.teacher_in_flight == 2
+    fitted = fit_costs(trace)
+    assert fitted.teacher.request_s == approx(0.05, rel=1e-6) and fitted.teacher.token_s == approx(0.002, rel=1e-6)
+    refit = simulate(SimConfig.from_header(trace.header, num_steps=30), fitted, Varied())
+    assert refit.stats.step_s_mean == approx(result.stats.step_s_mean, rel=0.05)
+    assert fit_costs(load_trace(write(simulate(msgspec.structs.replace(config, teacher_in_flight=0), TRUE, Varied(),
+                                               record=True), tmp_path / "u.jsonl"))).teacher == TeacherCost()
