@@ -364,7 +364,8 @@ class Controller:
         config and tokenizer files beside one model.safetensors): what transformers, vLLM or
         another run's `model.path` loads."""
         assert self.fleet.trainer is not None
-        manifest = await self.fleet.trainer.ask(ExportWeights(folder=str(self.run_dir / name / "buckets")), ASK_S)
+        manifest = await self.fleet.trainer.ask(ExportWeights(folder=str(self.run_dir / name / "buckets"), merged=True),
+                                                ASK_S)
         await asyncio.to_thread(as_hf_folder, self.folder.model_dir, manifest, self.run_dir / name)
 
     def _set_version(self, version: int) -> None:
@@ -375,8 +376,14 @@ class Controller:
     async def _push(self, pusher: ActorRef | None = None) -> None:
         """Export the trainer's weights and push them (through `pusher`, by default the run's)."""
         assert self.fleet.trainer is not None
-        manifest = await self.fleet.trainer.ask(ExportWeights(), ASK_S)
+        manifest = await self.fleet.trainer.ask(self._push_export(), ASK_S)
         await self._push_manifest(manifest, pusher)
+
+    def _push_export(self) -> ExportWeights:
+        """What a push exports: with LoRA, the adapters alone for embedded engines (they merge them
+        into their copy of the base), the model with the adapters merged for external ones (they
+        reload whole models from the files)."""
+        return ExportWeights(merged=self.config.rollout.backend != "embedded")
 
     async def _push_manifest(self, manifest: WeightManifest, pusher: ActorRef | None = None) -> None:
         """Push an exported version to the engines, trace it, and delete the export (it is consumed)."""
@@ -451,7 +458,7 @@ class Controller:
                 self.version = metrics.weight_version
                 await scheduler.tell(TrainerStepped(version=self.version, prompt_ids=current.prompt_ids))
                 if not metrics.skipped:
-                    manifest = await trainer.ask(ExportWeights(), ASK_S)
+                    manifest = await trainer.ask(self._push_export(), ASK_S)
                     await self._settle_update()  # one update at a time, in version order
                     self.update_task = asyncio.ensure_future(self._update_engines(manifest))
                 trained_step.update_s = time.perf_counter() - t1

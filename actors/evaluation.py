@@ -140,7 +140,7 @@ class Evaluator:
         """Write a loadable checkpoint folder, run the command on it, read {"score": x} from its last line."""
         assert self.fleet.trainer is not None
         folder = self.fleet.folder.run_dir / "eval" / f"step_{step:06d}"
-        manifest = await self.fleet.trainer.ask(ExportWeights(folder=str(folder / "buckets")), ASK_S)
+        manifest = await self.fleet.trainer.ask(ExportWeights(folder=str(folder / "buckets"), merged=True), ASK_S)
         await asyncio.to_thread(as_hf_folder, self.fleet.folder.model_dir, manifest, folder)
         command = self.config.eval.command.replace("{checkpoint}", shlex.quote(str(folder)))
         proc = await asyncio.create_subprocess_shell(command, stdout=asyncio.subprocess.PIPE,

@@ -242,8 +242,10 @@ class Fleet:
             temperature=temperature if temperature > 0 else 1.0)
 
     def engine_config(self) -> Any:
-        """The recipe's `[rollout.engine]`, its weights in shared memory for the shm transport."""
-        return msgspec.structs.replace(self.config.rollout.engine, shared_weights=self.transport == "shm")
+        """The recipe's `[rollout.engine]`, its weights in shared memory for the shm transport, the
+        trainer's adapters (LoRA) for the pushes to write."""
+        return msgspec.structs.replace(self.config.rollout.engine, shared_weights=self.transport == "shm",
+                                       lora=self.config.trainer.lora)
 
     def sync_config(self) -> WeightSyncConfig:
         """The recipe's `[weights]` with what the run sets: the model family, node 0's address, the

@@ -72,6 +72,7 @@ DERIVED = {
     "weights.pause_mode": "rollout.partial",
     "weights.delta_dir": "the run folder (--out)",
     "rollout.engine.shared_weights": 'weights.transport = "shm"',
+    "rollout.engine.lora": "trainer.lora",
 }
 
 

@@ -202,7 +202,8 @@ class SFTRun:
                         step = await self._train(trainer, system.dataplane, metrics, first, total)
                         if step > first or latest is None:
                             await self._checkpoint(trainer, metrics, background=False)
-                    manifest = await trainer.ask(ExportWeights(folder=str(run_dir / "final_model" / "buckets")), ASK_S)
+                    final = ExportWeights(folder=str(run_dir / "final_model" / "buckets"), merged=True)
+                    manifest = await trainer.ask(final, ASK_S)
                     await asyncio.to_thread(as_hf_folder, model_dir, manifest, run_dir / "final_model")
                 finally:
                     await trainer.stop()

@@ -112,9 +112,12 @@ class EvalLoss(Message[float], frozen=True):
 
 
 class ExportWeights(Message[WeightManifest], frozen=True):
-    """Write the current full weights as buckets; `folder` "" means <weights_dir>/v<version>."""
+    """Write the current full weights as buckets; `folder` "" means <weights_dir>/v<version>.
+    With LoRA: the adapters alone, or with `merged` the model with its adapters merged (a plain
+    Hugging Face model's weights)."""
 
     folder: str = ""
+    merged: bool = False
 
 
 class SaveCheckpoint(Message[CheckpointInfo], frozen=True):
@@ -247,7 +250,8 @@ class TrainerRank(Actor):
     async def export_weights(self, msg: ExportWeights) -> WeightManifest:
         version = self.trainer.weight_version
         folder = msg.folder or str(Path(self.weights_dir()) / f"v{version:08d}")
-        buckets = await self._on_torch_thread(self.trainer.export_weights, folder, self.config.weight_bucket_bytes)
+        export = functools.partial(self.trainer.export_weights, merged=msg.merged)
+        buckets = await self._on_torch_thread(export, folder, self.config.weight_bucket_bytes)
         return WeightManifest(weight_version=version, folder=folder, buckets=buckets)
 
     def weights_dir(self) -> str:

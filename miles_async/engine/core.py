@@ -73,6 +73,7 @@ from miles_async.engine.request import (
 from miles_async.engine.sampling import filtered_log_probs, make_generator, sample
 from miles_async.engine.weights import WeightStore, parse_version
 from miles_async.kernels import cpu_kernels, onednn
+from miles_async.models.lora import LoraConfig, add_lora, lora_state, merge_lora
 from miles_async.trajectory import spans_of
 
 if TYPE_CHECKING:
@@ -134,6 +135,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # current GPU), "cuda:N", or "auto" ("cuda" when the engine's process sees a GPU, else "cpu";
     # resolved there, by `resolve_device`).
     device: str = "cpu"
+    # LoRA (models/lora.py; a run sets it from trainer.lora): the model gets the trainer's
+    # adapters, which are then the only weights an update writes; the engine keeps a copy of the
+    # base and serves base + adapter merged into each layer's weight (made again before the first
+    # step after every update), so decoding runs one matmul per layer as without adapters.
+    lora: LoraConfig = LoraConfig()
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_running_requests", "max_waiting_requests", "max_prefill_tokens"):
@@ -256,8 +262,12 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.model_path = model_path
+        self._lora = config.lora.enabled
+        if self._lora:  # the adapters (B = 0: the base as it is) are what updates write
+            compute.run_sync(add_lora, model, config.lora)
         self.weights = WeightStore(model, double_buffer=config.double_buffer, shared=config.shared_weights,
-                                   version=parse_version(weight_version, -1)[0], label=weight_version)
+                                   version=parse_version(weight_version, -1)[0], label=weight_version,
+                                   names=list(lora_state(model)) if self._lora else None)
         mc = model.config
         self.vocab_size = _config_int(mc, "vocab_size")
         num_heads = _config_int(mc, "num_attention_heads")
@@ -301,6 +311,7 @@ class Engine:
                          and compute.run_sync(onednn.supported, kv_dtype, self.device))
         self._weights_epoch = 0
         self._prepacked_epoch = -1
+        self._merged_epoch = -1  # LoRA: the weights epoch whose adapters are merged in
         self._fused = (config.fused_cpu_kernels and not config.batch_invariant and hasattr(model, "use_cpu_kernels")
                        and compute.run_sync(cpu_kernels.supports, kv_dtype, self.device))
         if self._fused:
@@ -782,6 +793,9 @@ class Engine:
         batch-invariant mode.
         """
         device = self.device
+        if self._lora and self._merged_epoch != self._weights_epoch:  # new adapters: into the weights
+            merge_lora(self.model)
+            self._merged_epoch = self._weights_epoch
         if self._prepack and self._prepacked_epoch != self._weights_epoch:
             self.model.prepack_weights()
             self._prepacked_epoch = self._weights_epoch

@@ -33,6 +33,9 @@ every weight has arrived (or when the caller closes its begin/end session).
 Devices: the store's tensors are the model's, on the engine's device; `write` copies (and casts)
 tensors from anywhere, the CPU included, into them. Shared-memory stores are CPU only.
 
+Which weights (`names`): by default every weight of the model; with LoRA the adapters alone (an
+update writes them, the engine merges them into its copy of the base; engine/core.py).
+
 Adopting (`adopt`, the colocated handoff): a tensor of the engine's dtype, device and shape is
 taken as it is, no copy; the previous tensors stay untouched until `commit`, so adoption is
 double-buffered at no extra memory.
@@ -90,8 +93,11 @@ class WeightStore:
     the engine calls it between steps (under its lock), transports only write `target` tensors."""
 
     def __init__(self, model: torch.nn.Module, *, double_buffer: bool = False, shared: bool = False,
-                 version: int = 0, label: str | None = None) -> None:
+                 version: int = 0, label: str | None = None, names: list[str] | None = None) -> None:
         self.params, self.aliases = unique_weights(model)
+        if names is not None:  # the weights updates write (LoRA: the adapters); the rest stays as loaded
+            self.params = {name: self.params[name] for name in names}
+            self.aliases = {}
         self.version = version
         self.label = label if label is not None else str(version)
         self.shared = shared

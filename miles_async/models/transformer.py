@@ -26,17 +26,27 @@ from torch import nn
 from miles_async.kernels import batch_invariant, cpu_kernels, onednn
 from miles_async.models.attention import AttentionBackend, DenseCausalAttention
 from miles_async.models.config import ModelConfig
+from miles_async.models.lora import lora_delta
 from miles_async.models.rope import Rotary, apply_rotary
 
 
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and names) that can run batch-invariant (true on-policy mode),
-    or from a prepacked copy of its weight (`kernels.onednn`, the engine's, inference only)."""
+    or from a prepacked copy of its weight (`kernels.onednn`, the engine's, inference only), with
+    a low-rank adapter when `models.lora.add_lora` gave it one (`lora_A`, `lora_B`)."""
 
     batch_invariant = False  # set per module by CausalLM.set_batch_invariant
     prepacked: torch.Tensor | None = None  # set per module by CausalLM.prepack_weights
+    lora_rank = 0  # set per module by add_lora; 0: no adapter
+    lora_base: torch.Tensor | None = None  # set by merge_lora: the weight holds base + the adapter's delta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora_rank and self.lora_base is None:  # an adapter, unmerged (the trainer's)
+            if self.batch_invariant:  # the merged weight, as the engine serves it (bit for bit), with gradient
+                return batch_invariant.linear(x, self.weight + lora_delta(self.lora_A, self.lora_B, self.lora_scale),
+                                              self.bias)
+            lora = F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale  # PEFT's order
+            return F.linear(x, self.weight, self.bias) + lora
         if self.batch_invariant:
             return batch_invariant.linear(x, self.weight, self.bias)
         if self.prepacked is not None:

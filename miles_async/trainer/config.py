@@ -6,6 +6,7 @@ from typing import Literal
 
 import msgspec
 
+from miles_async.models.lora import LoraConfig
 from miles_async.rl import AdvantageConfig, PolicyLossConfig
 
 OBJECTIVES: tuple[str, ...] = ("rl", "sft")
@@ -70,6 +71,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # micro-batch (trainer/packing.py); the loss is the same, up to float summation order. Off in
     # batch-invariant mode and with routed-expert replay, which need each sample laid out alone.
     share_prefixes: bool = True
+    # Low-rank adapters (models/lora.py): rank > 0 freezes the base and trains adapters on the
+    # attention and MLP projections only (optimizer state for them alone); the weight pushes then
+    # move the adapters alone, the engines merging them into a copy of the base.
+    lora: LoraConfig = LoraConfig()
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

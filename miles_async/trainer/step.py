@@ -30,6 +30,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from miles_async.models import load_pretrained
+from miles_async.models.lora import add_lora, lora_delta
 from miles_async.rl import METRIC_SUM_NAMES, RLMetrics
 from miles_async.trainer import checkpoint
 from miles_async.trainer.config import OBJECTIVES, TrainerConfig
@@ -91,6 +92,9 @@ class Trainer:
         if not config.model_dir:
             raise ValueError("TrainerConfig.model_dir is empty: give the folder of the model to train")
         model = load_pretrained(config.model_dir, dtype=DTYPES[config.dtype], device=device)
+        # LoRA: adapters (seeded) on the projections, the base frozen (models/lora.py)
+        self.lora_modules = frozenset(add_lora(model, config.lora, generator=torch.Generator().manual_seed(
+            config.seed)) if config.lora.enabled else ())
         if config.batch_invariant:
             model.set_batch_invariant(True)  # before sharding: the flags live on the modules
         model.train()
@@ -98,8 +102,10 @@ class Trainer:
         attach_logprobs(self.model, config)
         # fused: one kernel over all the parameters (SmolLM2-135M on one CPU thread: 0.12 s a step
         # against 0.57 for the default per-parameter loop)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
-                                           eps=config.eps, weight_decay=config.weight_decay, fused=True)
+        # (with LoRA, the adapters only: the frozen base has no optimizer state)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=config.lr,
+                                           betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
+                                           fused=True)
         model_config = model.config
         self.moe_shape = model_config.moe_shape
         self.step = 0
@@ -209,13 +215,17 @@ class Trainer:
                              "teacher score every sample or set distill_coef=0")
         return data
 
-    def export_weights(self, out_dir: str | Path, bucket_bytes: int) -> list[WeightBucket]:
+    def export_weights(self, out_dir: str | Path, bucket_bytes: int, *, merged: bool = False) -> list[WeightBucket]:
         """Write the full weights as safetensors buckets of about `bucket_bytes` (a collective).
 
         Every rank gathers each parameter (FSDP all-gather, one at a time, so no rank holds more
         than one bucket of full tensors); rank 0 writes bucket i to `out_dir/bucket_<i>.safetensors`
         as soon as it is full, into a temporary folder renamed to `out_dir` at the end, so a
         reader never sees half a version. Every rank returns the same list of buckets.
+
+        With LoRA the export is the adapters alone (what the engines need: they hold the base), or
+        with `merged` the base weights with the adapters merged in and no adapter tensor (a plain
+        Hugging Face model, for a model folder).
         """
         out_dir = Path(out_dir)
         tmp_dir = out_dir.with_name(f".tmp-{out_dir.name}")
@@ -234,8 +244,18 @@ class Trainer:
             buckets.append(WeightBucket(path=str(path), names=list(pending), num_bytes=pending_bytes))
             pending, pending_bytes = {}, 0
 
-        for name, param in self.model.named_parameters():
-            tensor = full_tensor(param.detach()).cpu().contiguous()
+        params = dict(self.model.named_parameters())
+        for name, param in params.items():
+            adapter = name.endswith((".lora_A", ".lora_B"))
+            if self.lora_modules and adapter == merged:  # the adapters alone, or all but them
+                continue
+            tensor = full_tensor(param.detach())
+            module = name.removesuffix(".weight")
+            if merged and module in self.lora_modules:
+                lora = self.config.lora
+                tensor = tensor + lora_delta(full_tensor(params[f"{module}.lora_A"].detach()),
+                                             full_tensor(params[f"{module}.lora_B"].detach()), lora.scale)
+            tensor = tensor.cpu().contiguous()
             size = tensor.numel() * tensor.element_size()
             if pending and pending_bytes + size > bucket_bytes:
                 flush()

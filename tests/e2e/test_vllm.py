@@ -238,3 +238,26 @@ def test_the_main_job_trains_with_vllm_as_its_engine(tmp_path):
     header = json.loads((out / "trace.jsonl").read_text().splitlines()[0])
     assert header["transport"] == "disk"
     assert list(out.glob("engine-0-vllm.log")) and (out / "deltas").is_dir()
+
+
+def test_lora_adapters_reach_vllm_merged_into_full_pushes(tmp_path):
+    """With LoRA, a vLLM engine gets each version as the model with the adapters merged (it reloads
+    whole models); a wrong merge would show in the trainer's mismatch once the adapters move (sync
+    mode: every batch comes from the weights it is trained at, so nothing else moves it)."""
+    from _support_run import SHORT
+
+    from miles_async.observe import UpdateTrace, decode_trace
+
+    out = tmp_path / "run"
+    done = run_cli(["run", "recipes/reverse.toml", "rollout.backend=vllm", *SHORT, "loop.num_steps=6",
+                    "eval.mode=none", "loop.mode=sync", "trainer.lora.rank=8", "trainer.lr=1e-2", "--out", str(out)],
+                   timeout_s=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and all(r["logprob_abs_diff"] < 1e-4 for r in rows), [r["logprob_abs_diff"] for r in rows]
+    base = load_pretrained(out / "model")
+    full = sum(t.numel() * t.element_size() for t in base.state_dict().values())
+    updates = [r for r in decode_trace(out / "trace.jsonl") if isinstance(r, UpdateTrace)]
+    assert updates and all(u.num_bytes >= full // 2 for u in updates)  # whole models, not adapters
+    final = load_pretrained(out / "final_model")
+    assert any(not torch.equal(p, base.state_dict()[n]) for n, p in final.state_dict().items())

@@ -122,6 +122,14 @@ def test_the_distillation_recipe_loads_with_its_teacher():
     assert not load_recipe(RECIPE).teacher.enabled
 
 
+def test_the_lora_recipe_loads_and_the_engines_get_the_trainers_adapters():
+    config = load_recipe(RECIPE.with_name("reverse-lora.toml"))
+    assert config.trainer.lora.rank == 16 and config.trainer.lora.scale == 2.0 and config.sft.max_steps == 0
+    assert config.model.path == "runs/reverse/sft_model"
+    with pytest.raises(ValueError, match="rollout.engine.lora is set by the run from trainer.lora"):
+        load_recipe(RECIPE, ["rollout.engine.lora.rank=4"])
+
+
 def test_the_calculator_recipe_loads_as_a_multi_turn_task():
     config = load_recipe(RECIPE.with_name("calculator.toml"))
     assert config.task.plugin.endswith(":CalculatorTask") and config.agent.agent

@@ -124,3 +124,44 @@ def test_the_trainer_step_reads_a_mismatch_of_exactly_zero(model_dir):
                 samples, [1.0] * len(samples), num_micro_batches=plan.num_micro_batches, denominator=plan.denominator)
     assert metrics[True].logprob_abs_diff == 0.0 and metrics[True].rollout_kl_k3 == 0.0
     assert 0.0 < metrics[False].logprob_abs_diff < 1e-3
+
+
+def test_with_lora_adapters_the_engine_and_trainer_still_agree_bit_for_bit(model_dir, tmp_path):
+    """Adapters trained a step, exported alone, written into an engine that holds the base (the
+    checksums of what it holds equal the trainer's), merged there; in batch-invariant mode the
+    trainer's merged forward reads the engine's log-probs with a mismatch of exactly 0.0."""
+    from safetensors.torch import load_file
+
+    from miles_async.models.lora import LoraConfig
+    from miles_async.transport.verify import checksums
+
+    lora = LoraConfig(rank=4, alpha=8.0)
+    with single_process_group("gloo", timeout_s=30) as device:
+        config = TrainerConfig(model_dir=str(model_dir), micro_batch_tokens=256, batch_invariant=True, lora=lora,
+                               lr=1e-2)
+        trainer = Trainer(config, device)
+        warm = [sample(list(range(5, 15)), [0] * 6 + [1] * 4, [0.0] * 6 + [-3.0] * 4)] * 2
+        for _ in range(2):  # B moves off zero, then A: the adapters change the model
+            trainer.train_step(warm, [1.0, -1.0], num_micro_batches=1, denominator=8.0)
+        pushed = {n: t for b in trainer.export_weights(tmp_path / "v1", 1 << 20) for n, t in load_file(b.path).items()}
+        assert pushed and all(n.endswith(("lora_A", "lora_B")) for n in pushed)
+        engine = Engine(load_pretrained(model_dir),
+                        config=EngineConfig(batch_invariant=True, kv_cache_mib=4, max_prefill_tokens=48, lora=lora))
+        all_prompts = prompts(engine.vocab_size)
+
+        async def push_and_generate():
+            label = await engine.update_weights_from_tensors(pushed, weight_version=1)
+            assert label == "1" and await engine.weight_checksums() == checksums(pushed)  # the adapters, exactly
+            return await generate_all(engine, all_prompts)
+
+        results = asyncio.run(asyncio.wait_for(push_and_generate(), TIMEOUT_S))
+        base_engine = Engine(load_pretrained(model_dir), config=EngineConfig(batch_invariant=True, kv_cache_mib=4,
+                                                                            max_prefill_tokens=48))
+        base = asyncio.run(asyncio.wait_for(generate_all(base_engine, all_prompts), TIMEOUT_S))
+        assert [lp for _, lp in results] != [lp for _, lp in base]  # the adapters are served
+        samples = [sample(prompt + ids, [0] * len(prompt) + [1] * len(ids), [0.0] * len(prompt) + list(logps))
+                   for prompt, (ids, logps) in zip(all_prompts, results)]
+        plan = plan_step(samples, 1, config.micro_batch_tokens, config.policy_loss.aggregation, None)
+        metrics = trainer.train_step(samples, [1.0] * len(samples), num_micro_batches=plan.num_micro_batches,
+                                     denominator=plan.denominator)
+    assert metrics.logprob_abs_diff == 0.0 and metrics.rollout_kl_k3 == 0.0

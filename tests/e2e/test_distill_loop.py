@@ -160,7 +160,7 @@ async def two_turns(ctx) -> str | None:
 @pytest.mark.timeout(300)
 def test_multi_turn_episodes_are_scored_on_their_own_tokens(tmp_path: Path, teacher_dir: Path) -> None:
     config = load_recipe(RECIPE.parent / "calculator.toml", [
-        "sft.max_steps=0", "loop.num_steps=2", "loop.batch_groups=2", "agent.agent=\"test_distill:two_turns\"",
+        "sft.max_steps=0", "loop.num_steps=2", "loop.batch_groups=2", "agent.agent=\"test_distill_loop:two_turns\"",
         "scheduler.group_size=2", "scheduler.target_in_flight=8", "buffer.filter=none", "eval.mode=none",
         "rollout.sampling.max_new_tokens=12", "task.num_prompts=200", f'teacher.path="{teacher_dir}"',
         "trainer.policy_loss.distill_coef=0.5"])
