@@ -381,9 +381,10 @@ class Controller:
 
     def _push_export(self) -> ExportWeights:
         """What a push exports: with LoRA, the adapters alone for embedded engines (they merge them
-        into their copy of the base), the model with the adapters merged for external ones (they
-        reload whole models from the files)."""
-        return ExportWeights(merged=self.config.rollout.backend != "embedded")
+        into their copy of the base) and external ones serving them through their LoRA endpoint;
+        the model with the adapters merged for external ones that reload whole models
+        (`rollout.server.lora = "merged"`)."""
+        return ExportWeights(merged=self.config.rollout.backend != "embedded" and not self.fleet.adapter)
 
     async def _push_manifest(self, manifest: WeightManifest, pusher: ActorRef | None = None) -> None:
         """Push an exported version to the engines, trace it, and delete the export (it is consumed)."""

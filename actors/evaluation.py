@@ -80,7 +80,8 @@ class Evaluator:
             return await self._score_episodes(items, temperature=temperature)
         urls = [url] if url else [self.fleet.engine_urls[e.name] for e in self.fleet.engines]
         params = GenerateParams(max_new_tokens=self.config.rollout.sampling.max_new_tokens, temperature=temperature)
-        backends = [connect(self.config.rollout.backend, u, api_key=self.fleet.api_key, timeout_s=ASK_S) for u in urls]
+        backends = [connect(self.config.rollout.backend, u, api_key=self.fleet.api_key, timeout_s=ASK_S,
+                            adapter=self.fleet.adapter) for u in urls]
         try:
             outputs = await asyncio.gather(*(backends[i % len(backends)].generate(self.task.prompt_ids(item), params,
                                                                                    version=0)

@@ -28,6 +28,15 @@ resumed for it (its requests go on under the new weights a moment before the pus
 runs) and keeps it paused (`weights_error`), as a torn embedded engine refuses requests, until a
 good version commits.
 
+LoRA (`trainer.lora`, with `ServerConfig.lora = "adapter"`): the server starts with LoRA on (vLLM:
+`--enable-lora` and runtime adapter loading; SGLang: `--enable-lora` with the target modules), and
+serves the trainer's adapters as one adapter, `ADAPTER_NAME`, that every client request names
+(`connect(..., adapter=)`): a zero adapter (the base) from the start, then each pushed file of
+adapters written as a PEFT folder and loaded in place of the previous (vLLM's
+/v1/load_lora_adapter with load_inplace; SGLang's /unload_lora_adapter then /load_lora_adapter),
+probed like any update. The base is never pushed again, so the random-fill check does not
+overwrite it. With `"merged"` the pushes are whole models with the adapters merged, as without LoRA.
+
 An SGLang server can take its updates through its own weight-update group instead (the pusher's
 `distributed` transport, actors/distributed.py, which gives the design): `JoinWeightGroup` has it
 join the pusher's group (leaving the one it held), `ReceiveDistributed` posts each bucket's
@@ -65,8 +74,10 @@ from miles_async.actors.engine import (
     RandomFill,
     ResumeEngine,
 )
+from miles_async.engine.backend import ADAPTER_NAME
 from miles_async.engine.client import EngineHTTPError
 from miles_async.engine.weights import StaleVersionError
+from miles_async.models.lora import LoraConfig, add_lora, lora_state, write_peft_adapter
 from miles_async.runtime import Actor, Message, handler
 from miles_async.transport.broadcast import layout_from_json
 from miles_async.transport.errors import TransportError
@@ -76,6 +87,7 @@ log = logging.getLogger("miles_async.actors.external")
 T = TypeVar("T")
 
 PROBE_LENGTH = 48
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's max_lora_rank choices
 PROBE_TOLERANCE = 2e-3  # max |log-prob difference| on the probe, float32 (measured: ~5e-7 for vLLM on CPU)
 
 
@@ -93,6 +105,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kv_cache_mib: int = 64
     max_model_len: int = 0  # 0 = the model's
     start_timeout_s: float = 600.0
+    # With trainer.lora: "adapter" serves the trainer's adapters through the server's own LoRA
+    # endpoint (started with LoRA on; each push moves the adapters alone), "merged" pushes whole
+    # models with the adapters merged in (a server without LoRA support, e.g. one attached by url).
+    lora: Literal["adapter", "merged"] = "adapter"
 
     def __post_init__(self) -> None:
         if self.kv_cache_mib < 1 or self.start_timeout_s <= 0:
@@ -142,8 +158,9 @@ class ProbeReference:
     """Our own model of `model_dir`, for the probe: the log-probs of a fixed token sequence
     (PROBE_LENGTH tokens, seeded) under given weights (checkpoint names). Loaded at first use."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, lora: LoraConfig | None = None) -> None:
         self.model_dir = model_dir
+        self.lora = lora if lora is not None and lora.enabled else None  # the tensors are adapters on the base
         self.model: Any = None
         self.ids: list[int] = []
 
@@ -153,17 +170,19 @@ class ProbeReference:
             from miles_async.models import load_pretrained
 
             self.model = load_pretrained(self.model_dir)
+            if self.lora is not None:
+                add_lora(self.model, self.lora)
             generator = torch.Generator().manual_seed(0)
             self.ids = torch.randint(3, self.model.config.vocab_size, (PROBE_LENGTH,), generator=generator).tolist()
         model = self.model
-        state = model.state_dict()
+        state = lora_state(model) if self.lora is not None else model.state_dict()
         missing = [n for n in state if n not in tensors and not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
         if missing:
             raise TransportError(f"the update lacks {len(missing)} tensor(s), e.g. {missing[:4]}")
         with torch.no_grad():
             for name, target in state.items():
                 if name in tensors:
-                    target.copy_(tensors[name])
+                    target.data.copy_(tensors[name])
             ids = torch.tensor([self.ids])
             out = model(ids)
             logits = out[0] if isinstance(out, tuple) else out  # an MoE model adds its routing
@@ -176,7 +195,7 @@ class ExternalEngineActor(Actor):
 
     def __init__(self, kind: Literal["vllm", "sglang"], model_dir: str, config: ServerConfig | None = None, *,
                  http_host: str = "127.0.0.1", threads: int = 1, dtype: str = "float32",
-                 api_key: str | None = None, log_dir: str = "") -> None:
+                 api_key: str | None = None, log_dir: str = "", lora: LoraConfig | None = None) -> None:
         if kind not in ("vllm", "sglang"):
             raise ValueError(f"ExternalEngineActor serves vllm or sglang, not {kind!r}")
         self.kind = kind
@@ -198,7 +217,9 @@ class ExternalEngineActor(Actor):
         self.pending: Path | None = None  # the update's file
         self.num_bytes = 0
         self._lease: asyncio.TimerHandle | None = None
-        self._reference = ProbeReference(model_dir)
+        # LoRA pushed as adapters: the server serves base + ADAPTER_NAME, reloaded at each update
+        self.lora = lora if lora is not None and lora.enabled else None
+        self._reference = ProbeReference(model_dir, self.lora)
         self.group_name = ""  # the weight-update group the server holds (the distributed transport)
         self.received: tuple[list[int], list[float]] | None = None  # a distributed update in, and its probe
         self.tied = False  # the model's embeddings and output projection are one tensor
@@ -215,11 +236,33 @@ class ExternalEngineActor(Actor):
             log.info("%s: starting %s (%s), log %s", self.name, self.server.kind, " ".join(self.server.argv()),
                      self.server.log_path)
             self.url = await self.server.start(cfg.start_timeout_s)
-        self.backend = connect(self.kind, self.url, api_key=self.api_key)
+        self.backend = connect(self.kind, self.url, api_key=self.api_key, adapter=ADAPTER_NAME if self.lora else "")
         if not await _in_task(self.backend.health()):
             raise RuntimeError(f"{self.name}: the {self.kind} server at {self.url} does not answer /health")
+        if self.lora is not None:  # the adapter every request names exists from the start: B = 0, the base
+            folder = Path(self.log_dir or tempfile.mkdtemp(prefix=f"miles-{self.kind}-")) / f"{self.name}-adapter-0"
+            await asyncio.to_thread(self._zero_adapter, folder)
+            await _in_task(self.backend.load_adapter(ADAPTER_NAME, str(folder)))
         await _in_task(self.backend.set_weight_version(self.label))
         self.num_bytes = sum(f.stat().st_size for f in Path(self.model_dir).glob("*.safetensors"))
+
+    def _zero_adapter(self, folder: Path) -> None:
+        from miles_async.models import load_pretrained
+
+        assert self.lora is not None
+        model = load_pretrained(self.model_dir)
+        add_lora(model, self.lora)
+        write_peft_adapter(folder, {n: t.detach() for n, t in lora_state(model).items()}, self.lora)
+
+    def _lora_args(self) -> list[str]:
+        """The server's LoRA flags (vLLM's max rank is one of its sizes: the smallest that holds ours)."""
+        if self.lora is None:
+            return []
+        if self.kind == "sglang":
+            return ["--enable-lora", "--max-lora-rank", str(self.lora.rank), "--max-loras-per-batch", "1",
+                    "--lora-target-modules", *self.lora.targets]
+        rank = min(r for r in VLLM_LORA_RANKS if r >= self.lora.rank)
+        return ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "1"]
 
     def _server(self, folder: Path) -> Any:
         from miles_async.trainer.fsdp import free_port
@@ -233,14 +276,16 @@ class ExternalEngineActor(Actor):
             command = [cfg.python, "-m", "sglang.launch_server"] if cfg.python else default_command()
             return SGLangServer(self.model_dir, host=self.host, port=port, command=command,
                                 extra_args=["--dtype", self.dtype, *(["--api-key", self.api_key] if self.api_key else []),
-                                            *cfg.extra_args], env=dict(cfg.env), log_path=log_path)
+                                            *self._lora_args(), *cfg.extra_args], env=dict(cfg.env), log_path=log_path)
         from miles_async.engine.vllm import VllmServer
 
         served = untied_view(self.model_dir, folder / f"{self.name}-model") if self.tied else Path(self.model_dir)
+        lora_env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if self.lora else {}
         return VllmServer(served, host=self.host, port=port, python=cfg.python or None, dtype=self.dtype,
                           threads=self.threads, cpus=cfg.cpus, kv_cache_bytes=cfg.kv_cache_mib * 2**20,
-                          max_model_len=cfg.max_model_len, api_key=self.api_key, extra_args=cfg.extra_args,
-                          env=dict(cfg.env), log_path=log_path)
+                          max_model_len=cfg.max_model_len, api_key=self.api_key,
+                          extra_args=[*self._lora_args(), *cfg.extra_args], env={**lora_env, **cfg.env},
+                          log_path=log_path)
 
     async def on_stop(self) -> None:
         await self._close()
@@ -313,6 +358,8 @@ class ExternalEngineActor(Actor):
             raise TransportError(f"{self.name}: CommitUpdate with no update file (BeginUpdate, LoadWeightsFile first)")
         version, path = self.updating, self.pending
         self.updating = self.pending = None
+        if self.lora is not None:
+            return await self._commit_adapter(version, path, msg.checksums)
         tensors: dict[str, torch.Tensor] | None = None
         if msg.checksums is not None:  # the file is what the pusher meant
             tensors = await asyncio.to_thread(_read, path)
@@ -327,6 +374,25 @@ class ExternalEngineActor(Actor):
         # requests held (rollout.partial = "continue" keeps them in place)
         await _in_task(self.backend.reload_weights(str(path.parent), str(version), flush_cache=self.paused == "abort"))
         if tensors is not None:
+            expected = await asyncio.to_thread(self._reference_logprobs, tensors)
+            await self._probe(self._reference.ids, expected, version)
+        self.weights_error = None
+        self.version, self.label = version, str(version)
+        return self.state()
+
+    async def _commit_adapter(self, version: int, path: Path, expected_checksums: dict[str, str] | None) -> EngineState:
+        """LoRA: the file holds the adapters; written as a PEFT folder beside it and served in place
+        of the previous version's (`load_adapter`), then probed like any update when verifying."""
+        assert self.lora is not None
+        tensors = await asyncio.to_thread(_read, path)
+        if expected_checksums is not None:
+            bad = compare(expected_checksums, await asyncio.to_thread(checksums, tensors))
+            if bad:
+                raise TransportError(f"{self.name}: the update file {path} differs from what was pushed in "
+                                     f"{len(bad)} tensor(s), e.g. {', '.join(bad[:4])}; version {version} not loaded")
+        folder = await asyncio.to_thread(write_peft_adapter, path.parent / "adapter", tensors, self.lora)
+        await _in_task(self.backend.load_adapter(ADAPTER_NAME, str(folder)))
+        if expected_checksums is not None:
             expected = await asyncio.to_thread(self._reference_logprobs, tensors)
             await self._probe(self._reference.ids, expected, version)
         self.weights_error = None
@@ -353,7 +419,11 @@ class ExternalEngineActor(Actor):
     @handler
     async def random_fill(self, msg: RandomFill) -> EngineState:
         """vLLM's own reset (zeros, not noise): a tensor the next update skips shows in its probe.
-        SGLang has no such call: its probe alone verifies."""
+        SGLang has no such call: its probe alone verifies. Nor does a server taking LoRA adapters:
+        its base is never pushed again, so it must not be overwritten."""
+        if self.lora is not None:
+            log.info("%s: LoRA adapters: the probe alone verifies the first update (the base stays)", self.name)
+            return self.state()
         try:
             await _in_task(self.backend.reset_weights())
         except NotImplementedError as e:

@@ -37,6 +37,7 @@ from miles_async.actors.sessions import AddSessionEngine, SessionHost, SessionsU
 from miles_async.actors.teacher import TeacherScorer
 from miles_async.actors.trainer import RankPlacement, TrainerGroup
 from miles_async.actors.weights import JoinEngine, WeightPusher, WeightSyncConfig
+from miles_async.engine.backend import ADAPTER_NAME
 from miles_async.models.config import ModelConfig
 from miles_async.runtime import Actor, ActorRef, ActorSystem, RestartPolicy, handler
 from miles_async.trainer.config import TrainerConfig
@@ -262,6 +263,14 @@ class Fleet:
     def transport(self) -> str:
         return resolve_transport(self.config)
 
+    @property
+    def adapter(self) -> str:
+        """The LoRA adapter every request to an external engine names (`ADAPTER_NAME`: its pushes
+        are the adapters), or "" (no LoRA, an embedded engine, or `rollout.server.lora = "merged"`)."""
+        cfg = self.config
+        external = cfg.rollout.backend != "embedded" and cfg.rollout.server.lora == "adapter"
+        return ADAPTER_NAME if external and cfg.trainer.lora.enabled else ""
+
     # ----- starting -----
 
     async def start(self) -> None:
@@ -308,7 +317,8 @@ class Fleet:
             return await node.spawner.spawn(
                 ExternalEngineActor, name, args=(rollout.backend, str(self.folder.model_dir), rollout.server),
                 kwargs={"http_host": node.host, "threads": rollout.engine_threads, "api_key": self.api_key,
-                        "log_dir": str(self.folder.run_dir)}, env=env)
+                        "log_dir": str(self.folder.run_dir),
+                        "lora": self.config.trainer.lora if self.adapter else None}, env=env)
         return await node.spawner.spawn(EngineActor, name, args=(str(self.folder.model_dir), self.engine_config()),
                                         kwargs={"http_host": node.host, "http_port": 0,
                                                 "num_threads": self.config.rollout.engine_threads,
@@ -359,7 +369,8 @@ class Fleet:
         that node's address, where it wants the run's API key (and the model folder, for the tokenizer)."""
         node = self.nodes[self.config.placement.sessions]
         urls = [self.engine_urls[e.name] for e in self.engines]
-        kwargs: dict[str, Any] = {"engine_api_key": self.api_key, "backend": self.config.rollout.backend}
+        kwargs: dict[str, Any] = {"engine_api_key": self.api_key, "backend": self.config.rollout.backend,
+                                  "adapter": self.adapter}
         if node.rank != 0:
             await self._give_model(node)
             kwargs |= {"host": node.host, "api_key": self.api_key}
@@ -373,7 +384,7 @@ class Fleet:
         sees every finished sample (through a `SampleRecorder` when the scheduler is elsewhere)."""
         cfg = self.config
         workers = [f"rollout-{i}" for i in range(cfg.rollout.num_workers)]
-        kwargs: dict[str, Any] = {"api_key": self.api_key, "backend": cfg.rollout.backend}
+        kwargs: dict[str, Any] = {"api_key": self.api_key, "backend": cfg.rollout.backend, "adapter": self.adapter}
         if cfg.agent.agent:
             kwargs |= {"agent": cfg.agent, "sessions": "sessions", "session_url": self.sessions_url}
         for name in workers:

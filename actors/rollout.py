@@ -170,9 +170,10 @@ class RolloutWorker(Actor):
 
     def __init__(self, task: TaskSpec, model_dir: str, *, agent: AgentConfig | None = None, sessions: str = "",
                  session_url: str = "", timeout_s: float = 600.0, api_key: str | None = None,
-                 backend: Backend = "embedded") -> None:
+                 backend: Backend = "embedded", adapter: str = "") -> None:
         self.task_spec = task
         self.backend_kind = backend
+        self.adapter = adapter  # a LoRA adapter every request names (external engines taking LoRA pushes)
         self.model_dir = model_dir
         self.agent_config = agent or AgentConfig()
         self.api_key = api_key
@@ -210,7 +211,7 @@ class RolloutWorker(Actor):
         backend = self.backends.get(url)
         if backend is None:
             backend = self.backends[url] = connect(self.backend_kind, url, api_key=self.api_key,
-                                                   timeout_s=self.timeout_s)
+                                                   timeout_s=self.timeout_s, adapter=self.adapter)
         return backend
 
     async def _engine_ref(self, name: str) -> ActorRef:

@@ -49,9 +49,10 @@ class SessionHost(Actor):
     """Runs a `SessionServer` from `on_start` to `on_stop` (module docstring)."""
 
     def __init__(self, engine_urls: list[str], model_dir: str, host: str = "127.0.0.1",
-                 api_key: str | None = None, engine_api_key: str | None = None, backend: Backend = "embedded") -> None:
+                 api_key: str | None = None, engine_api_key: str | None = None, backend: Backend = "embedded",
+                 adapter: str = "") -> None:
         self.server = SessionServer(engine_urls, model_dir, host=host, api_key=api_key,
-                                    engine_api_key=engine_api_key, backend=backend)
+                                    engine_api_key=engine_api_key, backend=backend, adapter=adapter)
 
     async def on_start(self) -> None:
         await self.server.start()

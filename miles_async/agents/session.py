@@ -425,10 +425,11 @@ class SessionServer(AppServer):
                  host: str = "127.0.0.1", port: int = 0, *, max_sessions: int = DEFAULT_MAX_SESSIONS,
                  engine_timeout_s: float = 600.0, engine_api_key: str | None = None,
                  api_key: str | None = None, moe_shape: tuple[int, int] | None = None,
-                 backend: Backend = "embedded") -> None:
+                 backend: Backend = "embedded", adapter: str = "") -> None:
         if not engine_urls:
             raise ValueError("give at least one engine URL (e.g. http://127.0.0.1:30000)")
         self.backend_kind = backend  # how the engines are spoken to (engine/backend.py)
+        self.adapter = adapter  # a LoRA adapter every engine request names (connect's)
         self.moe_shape = moe_shape  # (MoE layers, top_k): routed experts are recorded (R3)
         if isinstance(model_dir_or_tokenizer, Tokenizer):
             tokenizer, self.model = model_dir_or_tokenizer, "miles-async"
@@ -446,7 +447,7 @@ class SessionServer(AppServer):
 
     def _slot(self, url: str) -> EngineSlot:
         return EngineSlot(url, connect(self.backend_kind, url, timeout_s=self.engine_timeout_s,
-                                       api_key=self.engine_api_key))
+                                       api_key=self.engine_api_key, adapter=self.adapter))
 
     # ----- Python API -----
 

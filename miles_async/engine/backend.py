@@ -29,6 +29,7 @@ import msgspec
 from miles_async.engine.client import EngineClient, EngineHTTPError, EngineOutput, parse_output
 
 BACKENDS = ("embedded", "sglang", "vllm")
+ADAPTER_NAME = "policy-lora"  # the LoRA adapter an external engine serves the trainer's adapters as
 Backend = Literal["embedded", "sglang", "vllm"]
 PauseMode = Literal["abort", "retract", "in_place", "wait"]
 
@@ -127,23 +128,27 @@ class WeightAdmin(Protocol):
 
 
 class SGLangBackend:
-    """`EngineBackend` over SGLang's native HTTP API: the embedded engine's server, or SGLang's own."""
+    """`EngineBackend` over SGLang's native HTTP API: the embedded engine's server, or SGLang's own.
+    `adapter`: a LoRA adapter loaded on the server (`load_adapter`) that every request names
+    (SGLang's `lora_path`), so generation and scoring run base + adapter."""
 
-    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 600.0, adapter: str = "") -> None:
         self.url = url.rstrip("/")
         self.client = EngineClient(self.url, timeout_s=timeout_s, api_key=api_key)
+        self.lora = {"lora_path": adapter} if adapter else {}
 
     async def generate(self, input_ids: list[int], params: GenerateParams, *, version: int,
                        rid: str | None = None) -> EngineOutput:
         out = await self.client.generate(input_ids=input_ids, sampling_params=params.sglang(), rid=rid,
-                                         return_logprob=True, return_routed_experts=params.return_routed_experts)
+                                         return_logprob=True, return_routed_experts=params.return_routed_experts,
+                                         **self.lora)
         return parse_output(out, version=version)
 
     async def generate_stream(self, input_ids: list[int], params: GenerateParams, *, version: int,
                               rid: str | None = None) -> AsyncIterator[EngineOutput]:
         async for out in self.client.generate_stream(input_ids=input_ids, sampling_params=params.sglang(), rid=rid,
                                                      return_logprob=True,
-                                                     return_routed_experts=params.return_routed_experts):
+                                                     return_routed_experts=params.return_routed_experts, **self.lora):
             yield parse_output(out, version=version)
 
     async def abort(self, rid: str | None = None) -> None:
@@ -192,9 +197,19 @@ class SGLangBackend:
         # SGLang scores from `logprob_start_len` on, its first entry without a log-prob: start one
         # token early and keep the tail (max_new_tokens 0: prefill only).
         out = await self.client.generate(input_ids=input_ids, sampling_params={"max_new_tokens": 0, "temperature": 0.0},
-                                         return_logprob=True, logprob_start_len=start - 1)
+                                         return_logprob=True, logprob_start_len=start - 1, **self.lora)
         entries = out["meta_info"]["input_token_logprobs"][-(len(input_ids) - start):]
         return [float(entry[0]) for entry in entries]
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter folder `path` as LoRA adapter `name`, replacing the one of that name:
+        SGLang's /unload_lora_adapter (an adapter not loaded yet is not an error) then /load_lora_adapter."""
+        try:
+            _succeeded(await self.client.unload_lora_adapter(name), "/unload_lora_adapter")
+        except EngineHTTPError as e:
+            if "not" not in e.message.lower():  # "... has not been loaded" is expected the first time
+                raise
+        _succeeded(await self.client.load_lora_adapter(name, path), "/load_lora_adapter")
 
     # ----- SGLang's weight-update group: the distributed transport (actors/distributed.py) -----
 
@@ -240,12 +255,14 @@ def check_score_start(input_ids: list[int], start: int) -> None:
                          f"token has nothing before it), got {start}")
 
 
-def connect(kind: Backend, url: str, *, api_key: str | None = None, timeout_s: float = 600.0) -> EngineBackend:
-    """The client of the running `kind` engine at `url`."""
+def connect(kind: Backend, url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
+            adapter: str = "") -> EngineBackend:
+    """The client of the running `kind` engine at `url`; `adapter`: the LoRA adapter every request
+    names (an external engine taking LoRA pushes as adapters, `ADAPTER_NAME`)."""
     if kind in ("embedded", "sglang"):
-        return SGLangBackend(url, api_key=api_key, timeout_s=timeout_s)
+        return SGLangBackend(url, api_key=api_key, timeout_s=timeout_s, adapter=adapter)
     if kind == "vllm":
         from miles_async.engine.vllm import VllmBackend
 
-        return VllmBackend(url, api_key=api_key, timeout_s=timeout_s)
+        return VllmBackend(url, api_key=api_key, timeout_s=timeout_s, adapter=adapter)
     raise ValueError(f"engine backend {kind!r} is not one of {', '.join(BACKENDS)}")

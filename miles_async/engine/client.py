@@ -226,6 +226,15 @@ class EngineClient:
         return await self._request("POST", "/update_weight_version",
                                    {"new_version": new_version, "abort_all_requests": abort_all_requests})
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """POST /load_lora_adapter: serve the PEFT adapter folder `lora_path` as `lora_name` (a
+        request naming it in `lora_path` runs base + adapter; the server needs --enable-lora)."""
+        return await self._request("POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """POST /unload_lora_adapter."""
+        return await self._request("POST", "/unload_lora_adapter", {"lora_name": lora_name})
+
     # The distributed path: the caller is rank 0 of a group it opens at master_address:master_port
     # and broadcasts each tensor named in update_weights_from_distributed, in order.
 

@@ -137,8 +137,9 @@ class VllmBackend:
     """`EngineBackend` over vLLM's OpenAI and RL endpoints (module docstring), plus the weight calls
     the engine's actor makes (`reload_weights`, `set_weight_version`, `reset_weights`, `prompt_logprobs`)."""
 
-    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 600.0, adapter: str = "") -> None:
         self.url = url.rstrip("/")
+        self.adapter = adapter  # a LoRA adapter every request names as its model (`load_adapter`)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=10.0)
         self._headers = bearer(api_key)
         self._http: aiohttp.ClientSession | None = None
@@ -165,7 +166,10 @@ class VllmBackend:
                 return body.decode(errors="replace")
 
     async def model(self) -> str:
-        """The served model's name (the first of /v1/models: a server we attach to may use any)."""
+        """The model requests name: the LoRA adapter, or the served model's name (the first of
+        /v1/models: a server we attach to may use any)."""
+        if self.adapter:
+            return self.adapter
         if self._model is None:
             models = await self._request("GET", "/v1/models")
             self._model = str(models["data"][0]["id"])
@@ -293,6 +297,13 @@ class VllmBackend:
     async def prompt_logprobs(self, input_ids: list[int]) -> list[float]:
         """The log-prob of each prompt token after the first, under the served weights."""
         return await self.score(input_ids, 1)
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter folder `path` as LoRA adapter `name`, in place of the one of that
+        name (/v1/load_lora_adapter with load_inplace; the server runs with --enable-lora and
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+        await self._request("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path,
+                                                               "load_inplace": True})
 
     async def score(self, input_ids: list[int], start: int) -> list[float]:
         """`EngineBackend.score`: vLLM's prompt log-probs cover the whole prompt (it has no start

@@ -24,8 +24,11 @@ Try it: `model = load_pretrained(folder); add_lora(model, LoraConfig(rank=8))`.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import torch
@@ -34,7 +37,7 @@ from torch import nn
 from miles_async.kernels import batch_invariant
 
 __all__ = ["DEFAULT_TARGETS", "LoraConfig", "adapted", "add_lora", "lora_delta", "lora_state", "merge_lora",
-           "merged_state", "peft_names"]
+           "merged_state", "peft_names", "write_peft_adapter"]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -137,3 +140,26 @@ def peft_names(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Adapter tensors under PEFT's saved names (`base_model.model.<module>.lora_A.weight`), what
     `PeftModel.from_pretrained`, SGLang's `load_lora_adapter` and vLLM's LoRA loading read."""
     return {f"base_model.model.{name}.weight": t for name, t in named.items() if name.endswith((".lora_A", ".lora_B"))}
+
+
+def write_peft_adapter(folder: str | Path, named: dict[str, torch.Tensor], config: LoraConfig) -> Path:
+    """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) from the adapter
+    tensors `named` (our names): what `PeftModel.from_pretrained`, vLLM's `/v1/load_lora_adapter`
+    and SGLang's `/load_lora_adapter` read. Written to a temporary name, then renamed into place."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    tmp = folder.with_name(f".tmp-{folder.name}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.contiguous() for name, t in peft_names(named).items()}, str(tmp / "adapter_model.safetensors"))
+    modules = sorted({name.rsplit(".", 2)[-2] for name in named if name.endswith(".lora_A")})
+    (tmp / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.rank, "lora_alpha": config.alpha,
+        "target_modules": modules, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "use_rslora": False, "init_lora_weights": True}, indent=1))
+    if folder.exists():
+        import shutil
+
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+    return folder

@@ -289,6 +289,13 @@ async def exercise_client(url: str) -> set[str]:
                        ("leave_weight_group", backend.leave_weight_group("g"))):
         await call
     await backend.close()
+    # LoRA pushed as adapters (actors/external.py): every request names the adapter, which is
+    # replaced by unloading and loading it again
+    lora = SGLangBackend(url, adapter="policy-lora")
+    await lora.generate([1, 2], params, version=0, rid="l1")
+    _ = [o async for o in lora.generate_stream([1, 2], params, version=0, rid="l2")]
+    await lora.load_adapter("policy-lora", "/adapters/v1")
+    await lora.close()
     async with EngineClient(url) as client:
         calls = {
             "generate": client.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1}, rid="c",
@@ -306,6 +313,8 @@ async def exercise_client(url: str) -> set[str]:
                 ["w"], ["float32"], [[2]], group_name="g", weight_version="4", flush_cache=False),
             "destroy_weights_update_group": client.destroy_weights_update_group("g"),
             "begin_weight_update": client.begin_weight_update(), "end_weight_update": client.end_weight_update(),
+            "load_lora_adapter": client.load_lora_adapter("policy-lora", "/adapters/v1"),
+            "unload_lora_adapter": client.unload_lora_adapter("policy-lora"),
         }
         for name, call in calls.items():
             await call
@@ -453,3 +462,17 @@ def test_sglangs_own_group_code_joins_the_pushers_group_and_receives(sglang, tmp
     assert member.returncode == 0, err[-2000:]
     assert [float(x) for x in out.split()] == [6.0, 2.0]
     sglang.record("weight-update group: SGLang's init_custom_process_group joined our rank 0 (gloo)", True)
+
+
+def test_the_lora_flags_an_sglang_engine_starts_with_are_sglangs_server_args(sglang, tmp_path):
+    """`ExternalEngineActor` starts SGLang with LoRA on when the trainer's adapters are pushed as
+    such: each flag is one of SGLang's ServerArgs (--enable-lora -> enable_lora)."""
+    from miles_async.actors.external import ExternalEngineActor
+    from miles_async.models.lora import LoraConfig
+
+    actor = ExternalEngineActor("sglang", str(tmp_path), lora=LoraConfig(rank=8))
+    flags = [a[2:].replace("-", "_") for a in actor._lora_args() if a.startswith("--")]
+    assert flags == ["enable_lora", "max_lora_rank", "max_loras_per_batch", "lora_target_modules"]
+    missing = [f for f in flags if f not in sglang.server_info_keys]
+    assert not missing, f"SGLang 0.5.23's ServerArgs have no {missing}"
+    sglang.record("lora_server_args", flags)

@@ -145,3 +145,24 @@ def test_a_trainer_with_adapters_trains_and_exports_them_alone(folder: Path, tmp
             assert torch.equal(tensor, expect[name]), name
         layer = "model.layers.0.self_attn.q_proj.weight"
         assert not torch.equal(merged[layer], before[layer])
+
+
+def test_the_peft_folder_is_what_peft_reads(folder: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from miles_async.models.lora import write_peft_adapter
+
+    ours, theirs = adapted_pair(folder)
+    named = {n: p.detach() for n, p in lora_state(ours).items()}
+    out = write_peft_adapter(tmp_path / "adapter", named, LoraConfig(rank=4, alpha=8.0))
+    config = peft.LoraConfig.from_pretrained(str(out))
+    assert (config.r, config.lora_alpha, sorted(config.target_modules)) == (4, 8, sorted(DEFAULT_TARGETS))
+    stored = load_file(str(out / "adapter_model.safetensors"))
+    assert set(stored) == set(peft_names(named))
+    fresh = peft.inject_adapter_in_model(config, load_pretrained(folder))
+    peft.set_peft_model_state_dict(fresh, {n.removeprefix("base_model.model."): t for n, t in stored.items()})
+    tokens = torch.arange(3, 15)
+    with torch.no_grad():
+        torch.testing.assert_close(forward(fresh, tokens), forward(theirs, tokens), rtol=0, atol=0)
+    write_peft_adapter(out, named, LoraConfig(rank=4, alpha=8.0))  # replaced in place
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
