@@ -241,6 +241,7 @@ def sglang_item(rid: str) -> dict[str, Any]:
         "id": rid, "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 3, "completion_tokens": 2,
         "cached_tokens": 0, "weight_version": "1", "weight_versions": [{"version": "1", "start": 0, "end": 2}],
         "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None]],
+        "input_token_logprobs": [[None, 1, None], [-0.75, 2, None], [-0.5, 3, None]],
         "routed_experts": base64.b64encode(bytes(16)).decode()}}
 
 
@@ -295,6 +296,8 @@ async def exercise_client(url: str) -> set[str]:
     await lora.generate([1, 2], params, version=0, rid="l1")
     _ = [o async for o in lora.generate_stream([1, 2], params, version=0, rid="l2")]
     await lora.load_adapter("policy-lora", "/adapters/v1")
+    # a distillation teacher's scoring request (actors/teacher.py): prefill only, log-probs from a start
+    assert await lora.score([1, 2, 3], 2) == [-0.5]
     await lora.close()
     async with EngineClient(url) as client:
         calls = {

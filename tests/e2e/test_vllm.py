@@ -3,8 +3,9 @@
 The backend against the server (log-probs against our own model, streaming, prefix abort, pause,
 bad input), the weight path (a pusher's `disk` transport into `ExternalEngineActor`, verified by
 checksums and the probe, and the probe catching vLLM's stale output projection on a tied model),
-a shortened main job with `rollout.backend=vllm` whose reward rises, and LoRA runs whose adapters
-reach vLLM through its LoRA endpoint or merged into whole models. CI prepares the
+a shortened main job with `rollout.backend=vllm` whose reward rises, LoRA runs whose adapters
+reach vLLM through its LoRA endpoint or merged into whole models, and vLLM as a distillation
+teacher scoring a trajectory. CI prepares the
 environment (`.ci/run`); elsewhere these skip, naming the command.
 """
 
@@ -93,6 +94,31 @@ def test_sampled_tokens_come_with_their_log_probs_under_our_model(server, tied_m
     # the same seed streams the same tokens; each chunk is cumulative, as SGLang streams
     assert streamed[-1].output_ids == out.output_ids and streamed[-1].finish_reason == out.finish_reason
     assert [len(s.output_ids) for s in streamed] == sorted(len(s.output_ids) for s in streamed)
+
+
+@pytest.mark.timeout(120)
+def test_a_vllm_teacher_scores_a_trajectory_as_our_model_does(server, tied_model):
+    """On-policy distillation's scoring stage (actors/teacher.py) with vLLM as the teacher: its
+    prompt log-probs of the sample's tokens from the first generated one, off-mask zeros."""
+    from miles_async.actors.teacher import Score, TeacherScorer
+    from miles_async.trajectory import TokenData, Trajectory
+
+    tokens = PROMPT + [40, 41, 42, 7, 8, 9, 50, 51]
+    mask = [0] * len(PROMPT) + [1, 1, 1, 0, 0, 0, 1, 1]  # an answer, a tool's output, an answer
+
+    async def main():
+        async with ActorSystem("vllm-teacher") as system:
+            scorer = await system.spawn(TeacherScorer, "scorer", kwargs={"url": server.url, "backend": "vllm"})
+            sample = Trajectory(prompt_id=0, num_tokens=len(tokens), data=TokenData.build(
+                tokens=tokens, loss_mask=mask, logprobs=[0.0] * len(tokens)))
+            return await scorer.ask(Score(sample=sample), timeout_s=60)
+
+    scored = run(main(), 100)
+    expected = logprobs_of(tied_model, tokens, len(PROMPT))
+    teacher = scored.data.teacher_logprob_array()
+    assert teacher[:len(PROMPT)].tolist() == [0.0] * len(PROMPT)
+    for position, (got, want, on) in enumerate(zip(teacher[len(PROMPT):], expected, mask[len(PROMPT):])):
+        assert abs(got - (want if on else 0.0)) < 1e-4, position
 
 
 @pytest.mark.timeout(120)
