@@ -329,6 +329,11 @@ class Fleet:
         engine scored over its mailbox, or a server of another backend scored over HTTP."""
         teacher, node = self.config.teacher, self.nodes[0]
         folder = str(teacher.folder())
+        temperature = self.config.rollout.sampling.temperature
+        if temperature != 1.0:
+            log.warning("the teacher scores at temperature 1 but the student samples at %g: teacher_kl and the "
+                        "distillation signal compare the student's tempered log-probs with the teacher's plain ones",
+                        temperature)
         if teacher.backend != "embedded":
             return await node.spawner.spawn(
                 ExternalEngineActor, "teacher", args=(teacher.backend, folder, teacher.server),

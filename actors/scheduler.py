@@ -50,7 +50,7 @@ from miles_async.actors.rollout import Rollout, SamplingConfig, failed
 from miles_async.actors.teacher import Score
 from miles_async.policies.buffer import Group
 from miles_async.policies.refill import RefillConfig, RefillPolicy, Submit
-from miles_async.runtime import Actor, ActorDeadError, ActorRef, Clock, Message, RealClock, handler
+from miles_async.runtime import Actor, ActorDeadError, ActorRef, Clock, Message, RealClock, RemoteError, handler
 from miles_async.trajectory import Trajectory, blobs
 
 log = logging.getLogger("miles_async.actors.scheduler")
@@ -149,6 +149,7 @@ class RefillScheduler(Actor):
         self.routed_experts = routed_experts  # MoE: every rollout records its routed experts (R3)
         self.teacher_name = teacher  # distillation: the TeacherScorer that scores every finished sample
         self.teacher: ActorRef | None = None
+        self.teacher_failures = 0
         self.clock = clock or RealClock()
         self.workers: list[ActorRef] = []
         self.buffer: ActorRef | None = None
@@ -324,12 +325,16 @@ class RefillScheduler(Actor):
             return await self.teacher.ask(Score(sample=sample), timeout_s=self.timeout_s)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - the sample fails, the run goes on (the teacher's death
-            # ends it: the controller's liveness watch names it)
-            log.warning("the teacher could not score prompt %d: %s: %s", sample.prompt_id, type(e).__name__, e)
+        except Exception as e:  # noqa: BLE001 - the sample fails, the run goes on
+            why = f"{e.failure.type}: {e.failure.message}" if isinstance(e, RemoteError) else f"{type(e).__name__}: {e}"
+            # the teacher's death ends the run (the controller's liveness watch names it once): not said per sample
+            dead = isinstance(e, ActorDeadError) or (isinstance(e, RemoteError) and e.failure.type == "ActorDeadError")
+            self.teacher_failures += 1
+            if not dead and self.teacher_failures & (self.teacher_failures - 1) == 0:  # the 1st, 2nd, 4th, ...
+                log.warning("the teacher could not score prompt %d (%d failures so far): %s", sample.prompt_id,
+                            self.teacher_failures, why)
             self.system.dataplane.free(blobs([sample]))
-            return msgspec.structs.replace(sample, finish_reason="error", error=f"teacher: {type(e).__name__}: {e}",
-                                           data=None)
+            return msgspec.structs.replace(sample, finish_reason="error", error=f"teacher: {why}", data=None)
 
     async def _put(self, prompt_id: int, attempt: int, members: list[Trajectory]) -> None:
         samples = tuple(sorted(members, key=lambda s: s.index))

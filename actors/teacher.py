@@ -55,7 +55,9 @@ __all__ = ["Score", "TeacherConfig", "TeacherScorer", "TeacherStats", "teacher_l
 
 class TeacherConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The recipe's `[teacher]`: on-policy distillation's teacher (module docstring). Naming a model
-    turns distillation on; `trainer.policy_loss.distill_coef` (> 0) weighs its signal."""
+    turns distillation on; `trainer.policy_loss.distill_coef` (> 0) weighs its signal. The teacher's
+    log-probs are its plain distribution's (temperature 1): sample the student at temperature 1 for
+    the signal to be the reverse KL between the two (the run warns otherwise)."""
 
     path: str = ""  # a Hugging Face folder (e.g. another run's final_model); "" with pretrained "": no teacher
     pretrained: Literal["", "smollm2"] = ""  # a packaged model, as model.pretrained

@@ -45,3 +45,16 @@ def pids_alive(root: int) -> list[int]:
         found += children
         frontier += children
     return found
+
+
+def titled(pids: list[int]) -> dict[str, int]:
+    """The `miles-async: <role>` processes among `pids`: role -> pid (runtime/proctitle.py)."""
+    found = {}
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").decode()
+        except OSError:
+            continue
+        if cmdline.startswith("miles-async: "):
+            found[cmdline.removeprefix("miles-async: ")] = pid
+    return found

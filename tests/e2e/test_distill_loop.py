@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 import pytest
 import torch
-from _support_run import SHORT, run_cli
+from _support_run import SHORT, pids_alive, run_cli, titled, wait_for
 
 from miles_async.actors.controller import Controller
 from miles_async.actors.engine import EngineActor, EngineStatus, ScoreTokens
@@ -188,3 +192,26 @@ def test_multi_turn_episodes_are_scored_on_their_own_tokens(tmp_path: Path, teac
     direct = np.concatenate([[0.0], model_logprobs(teacher_dir, data.token_ids().tolist())])
     np.testing.assert_allclose(teacher[mask == 1], direct[mask == 1], atol=2e-4)
     assert all(r["teacher_s"] > 0 for r in rows(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_teachers_death_stops_the_run_in_one_line_naming_it(tmp_path: Path, teacher_dir: Path) -> None:
+    out = tmp_path / "run"
+    args = ["run", str(RECIPE), "--out", str(out), "--quiet", *SHORT, "loop.num_steps=100000", "eval.mode=none",
+            "loop.checkpoint_every=2", f'teacher.path="{teacher_dir}"', "trainer.policy_loss.distill_coef=1.0"]
+    proc = subprocess.Popen([sys.executable, "-m", "miles_async.launch.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (out / "metrics.jsonl").is_file() and len(rows(out)) >= 3, 180, "three RL steps")
+        children = pids_alive(proc.pid)
+        os.kill(titled(children)["teacher"], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if "the distillation teacher's engine (teacher" in line]
+    assert len(said) == 1 and "died" in said[0] and "--resume continues from" in said[0], stderr[-3000:]
+    assert "Traceback" not in stderr
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 30, "the run's processes exit")

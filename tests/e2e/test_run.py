@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _support_run import SHORT, pids_alive, run_cli, wait_for
+from _support_run import SHORT, pids_alive, run_cli, titled, wait_for
 
 from miles_async.actors.controller import Controller
 from miles_async.actors.controller import run as run_loop
@@ -218,19 +218,6 @@ def test_an_engine_killed_mid_run_loses_no_sample_and_trains_none_twice(tmp_path
         attempts = {s.attempt for s in samples if s.prompt_id == prompt and not s.dropped
                     and s.finish_reason in ("stop", "length")}
         assert attempts
-
-
-def titled(pids: list[int]) -> dict[str, int]:
-    """The `miles-async: <role>` processes among `pids`: role -> pid (runtime/proctitle.py)."""
-    found = {}
-    for pid in pids:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").decode()
-        except OSError:
-            continue
-        if cmdline.startswith("miles-async: "):
-            found[cmdline.removeprefix("miles-async: ")] = pid
-    return found
 
 
 def run_segments(pids: list[int]) -> set[str]:
