@@ -50,7 +50,16 @@ from miles_async.actors.rollout import Rollout, SamplingConfig, failed
 from miles_async.actors.teacher import Score
 from miles_async.policies.buffer import Group
 from miles_async.policies.refill import RefillConfig, RefillPolicy, Submit
-from miles_async.runtime import Actor, ActorDeadError, ActorRef, Clock, Message, RealClock, RemoteError, handler
+from miles_async.runtime import (
+    Actor,
+    ActorDeadError,
+    ActorRef,
+    Clock,
+    Message,
+    RealClock,
+    RemoteError,
+    handler,
+)
 from miles_async.trajectory import Trajectory, blobs
 
 log = logging.getLogger("miles_async.actors.scheduler")
