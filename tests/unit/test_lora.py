@@ -166,3 +166,24 @@ def test_the_peft_folder_is_what_peft_reads(folder: Path, tmp_path: Path) -> Non
         torch.testing.assert_close(forward(fresh, tokens), forward(theirs, tokens), rtol=0, atol=0)
     write_peft_adapter(out, named, LoraConfig(rank=4, alpha=8.0))  # replaced in place
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+@pytest.mark.parametrize(("overrides", "adapter", "merged_pushes"), [
+    ([], "", False),  # no LoRA: whole models, as always
+    (["trainer.lora.rank=8"], "", False),  # embedded engines: the adapters, merged there
+    (["trainer.lora.rank=8", "rollout.backend=vllm"], "policy-lora", False),  # an external engine's LoRA endpoint
+    (["trainer.lora.rank=8", "rollout.backend=vllm", 'rollout.server.lora="merged"'], "", True),
+    (["rollout.backend=vllm"], "", True),
+])
+def test_which_pushes_a_run_makes(overrides: list[str], adapter: str, merged_pushes: bool) -> None:
+    from miles_async.actors.controller import Controller
+    from miles_async.actors.fleet import Fleet
+    from miles_async.actors.recipe import load_recipe
+
+    config = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "reverse.toml", overrides)
+    fleet = Fleet(config, None, None, {})  # type: ignore[arg-type] - only the config is read
+    assert fleet.adapter == adapter
+    controller = Controller.__new__(Controller)  # the push's export is a function of the config and fleet
+    controller.config, controller.fleet = config, fleet
+    assert controller._push_export().merged == merged_pushes
+    assert fleet.engine_config().lora == config.trainer.lora
