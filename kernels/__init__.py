@@ -8,7 +8,9 @@
   paged KV blocks with the KV write, silu(gate) * up, greedy sampling), compiled once per machine
   at first use.
 
-Still to come: quantizers (FP8 blockwise, MXFP8, NVFP4, INT4) and routing
-capture/replay. It is a leaf: it imports torch (and Triton lazily) and nothing of ours (DESIGN.md,
+- `quant`: quantizers to FP8 blockwise, MXFP8, NVFP4 and INT4 and back (`quantize`,
+  `dequantize`, `fake_quant` for quantization-aware training), the CPU reference of each format.
+
+Still to come: routing capture/replay. It is a leaf: it imports torch (and Triton lazily) and nothing of ours (DESIGN.md,
 "Who may import whom"); `cpu_kernels` also runs the system's C++ compiler once.
 """
