@@ -49,7 +49,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -94,6 +94,26 @@ class WeightsUnavailableError(RuntimeError):
 
 
 _DEVICE = re.compile(r"cpu|auto|cuda(:\d+)?")
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+def _memory_tags(tags: Sequence[str] | None) -> set[str]:
+    wanted = set(MEMORY_TAGS if tags is None else tags)
+    if not wanted <= set(MEMORY_TAGS):
+        raise ValueError(f"memory tags must be among {', '.join(MEMORY_TAGS)}, got {sorted(wanted)}")
+    return wanted
+
+
+def _trim_heap() -> None:
+    """Have glibc give freed heap memory back to the system (a no-op elsewhere)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -372,6 +392,9 @@ class Engine:
             raise RuntimeError("the engine is not started: use `async with engine:` or `await engine.start()`")
         if (problem := self.weights.serving_error()) is not None:
             raise WeightsUnavailableError(problem)
+        if self.cache.released:
+            raise WeightsUnavailableError("the KV cache was released (release_memory_occupation): "
+                                          "resume_memory_occupation first")
         ids = request.input_ids
         params = request.sampling_params
         self._check_request(request)
@@ -526,6 +549,41 @@ class Engine:
         async with self._lock:
             return self.cache.tree.flush()
 
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Give back the memory of the weights and/or the KV cache (`tags`: "weights", "kv_cache";
+        None: both), as SGLang's /release_memory_occupation does for a colocated trainer. The engine
+        must be idle (pause it with mode "abort" first); it refuses requests until resumed, and
+        released weights come back empty: push a complete version after `resume_memory_occupation`.
+        A LoRA engine's weights cannot be released (its base is never pushed again), nor shared-memory
+        ones (the shm transport)."""
+        wanted = _memory_tags(tags)
+        async with self._lock:
+            if self._requests:
+                raise ValueError(f"{len(self._requests)} requests are in flight: release needs an idle engine "
+                                 "(pause with mode \"abort\", or let them finish)")
+            if "weights" in wanted:
+                if self._lora:
+                    raise ValueError("a LoRA engine's base weights are never pushed again: release its kv_cache only")
+                await compute.run(self.weights.release)
+                if self._prepack:
+                    await compute.run(self.model.prepack_weights, False)
+                self._prepacked_epoch = -1
+            if "kv_cache" in wanted:
+                self._cache_epoch += 1
+                await compute.run(self.cache.release_memory)
+            await compute.run(_trim_heap)
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        """Allocate again what `release_memory_occupation` gave back (the KV cache empty, the weights
+        zeros: the engine serves once a complete weight version is pushed)."""
+        wanted = _memory_tags(tags)
+        async with self._lock:
+            if "kv_cache" in wanted:
+                await compute.run(self.cache.reclaim_memory)
+            if "weights" in wanted:
+                await compute.run(self.weights.reclaim)
+            self._wake.set()
+
     @property
     def weight_version(self) -> str:
         """The label of the weights being served (SGLang's `weight_version`)."""
@@ -679,7 +737,7 @@ class Engine:
         return self._paused == "wait" and request.seq < self._pause_seq
 
     def _schedule(self) -> _Step | None:
-        if self._paused not in (None, "wait") or self.weights.serving_error() is not None:
+        if self._paused not in (None, "wait") or self.weights.serving_error() is not None or self.cache.released:
             return None
         budget = self.config.max_prefill_tokens
         chosen: list[tuple[Request, int]] = []

@@ -58,6 +58,28 @@ class KVCache:
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: low ids first
         self.tree = RadixCache(self)
 
+    def release_memory(self) -> None:
+        """Give the key and value blocks' memory back (every block must be free; the prefix cache is
+        flushed first); `reclaim_memory` allocates them again."""
+        self.tree.flush()
+        if len(self._free) != self.num_blocks:
+            raise ValueError(f"{self.num_blocks - len(self._free)} KV blocks are in use: release needs an idle engine")
+        if self.k_blocks and self.k_blocks[0].numel():
+            self._shape = (self.k_blocks[0].shape, self.k_blocks[0].dtype)
+            self.k_blocks = [t.new_empty(0) for t in self.k_blocks]
+            self.v_blocks = [t.new_empty(0) for t in self.v_blocks]
+
+    def reclaim_memory(self) -> None:
+        if self.k_blocks and not self.k_blocks[0].numel():
+            shape, dtype = self._shape
+            with torch.inference_mode():
+                self.k_blocks = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.k_blocks]
+                self.v_blocks = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self.v_blocks]
+
+    @property
+    def released(self) -> bool:
+        return bool(self.k_blocks) and not self.k_blocks[0].numel()
+
     @staticmethod
     def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype = torch.float32) -> int:

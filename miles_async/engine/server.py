@@ -29,7 +29,8 @@ so `EngineClient` and any SGLang client work against either server:
        torch.distributed group whose rank 0 broadcasts), /update_weights_from_distributed {names,
        dtypes, shapes, group_name, weight_version} (buckets of one update, live once every weight
        has arrived, or at /end_weight_update after /begin_weight_update), /release_memory_occupation
-       and /resume_memory_occupation (no-ops: nothing here is offloaded), /update_weights_from_tensor
+       and /resume_memory_occupation {tags: "weights", "kv_cache"} (the memory given back and taken
+       again; released weights come back empty: push a version), /update_weights_from_tensor
        (refused: see its handler).
 OpenAI's (openai.py): GET /v1/models; POST /v1/completions, /v1/chat/completions.
 A malformed request gets HTTP 400 naming the field, {"error": {"message": ...}} (the weight
@@ -559,9 +560,21 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
 
 
 async def memory_occupation(request: web.Request) -> web.Response:
-    """/release_memory_occupation and /resume_memory_occupation: nothing here is offloaded, so both
-    are no-ops that succeed (SGLang answers them with an empty JSON body too)."""
-    await _read_json(request, optional=True)  # a malformed body is still a 400
+    """/release_memory_occupation and /resume_memory_occupation {tags}: give back (or allocate
+    again) the weights' and/or the KV cache's memory (`Engine.release_memory_occupation`); an
+    engine with requests in flight refuses (400). SGLang answers with an empty JSON body too."""
+    body = await _read_json(request, optional=True)  # a malformed body is still a 400
+    tags = _field(body, "tags", list)
+    if tags is not None and not all(isinstance(t, str) for t in tags):
+        raise BadRequest("tags must be a list of strings (\"weights\", \"kv_cache\")")
+    engine = request.app[ENGINE_KEY]
+    try:
+        if request.path == "/release_memory_occupation":
+            await engine.release_memory_occupation(tags)
+        else:
+            await engine.resume_memory_occupation(tags)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
     return web.json_response(None)
 
 

@@ -36,6 +36,11 @@ tensors from anywhere, the CPU included, into them. Shared-memory stores are CPU
 Which weights (`names`): by default every weight of the model; with LoRA the adapters alone (an
 update writes them, the engine merges them into its copy of the base; engine/core.py).
 
+Releasing (`release`, SGLang's /release_memory_occupation): every tensor is replaced by an empty
+one, its memory given back, its content gone; `reclaim` allocates them again (zeros). The engine
+is torn in between and after, until a complete update commits: a colocated run releases the
+engine's memory while the trainer trains, then resumes it and pushes the new version.
+
 Adopting (`adopt`, the colocated handoff): a tensor of the engine's dtype, device and shape is
 taken as it is, no copy; the previous tensors stay untouched until `commit`, so adoption is
 double-buffered at no extra memory.
@@ -110,6 +115,7 @@ class WeightStore:
         self._target_seq = 0
         self._written: set[str] = set()
         self._adopted: set[int] = set()  # ids of tensors taken by `adopt`: never written into afterwards
+        self.released: dict[str, tuple[torch.Size, torch.dtype, torch.device]] | None = None  # `release`d: shapes
         live = {name: p.detach() for name, p in self.params.items()}
         if shared:
             off_cpu = {str(t.device) for t in live.values() if t.device.type != "cpu"}
@@ -172,6 +178,8 @@ class WeightStore:
         unless this update adopts too: a copy must never write into memory the trainer handed over.
         """
         self.check_newer(version)
+        if self.released is not None:
+            raise ValueError("the weights were released (release_memory_occupation): resume_memory_occupation first")
         if self.updating is not None:
             self.abort(f"superseded by version {version}")
         self.updating, self._updating_label = version, label if label is not None else str(version)
@@ -326,6 +334,38 @@ class WeightStore:
         random_fill(self.live, seed)
         if self._segments:
             self._live_seq = self._segments[0].seq
+
+    def release(self) -> None:
+        """Give the weights' memory back (SGLang's /release_memory_occupation, tag "weights"): every
+        tensor, and the spare buffer, becomes empty, their contents gone; the engine is torn until
+        `reclaim` and a complete update. Shared-memory weights (the shm transport) cannot: a pusher
+        in another process holds their segment."""
+        if self._segments:
+            raise ValueError("the weights are in a shared-memory segment (the shm transport), which another process "
+                             "writes: they cannot be released; use another transport to release engine memory")
+        if self.updating is not None:
+            raise ValueError(f"a weight update to version {self.updating} is in progress: release after it")
+        if self.released is None:
+            self.released = {name: (t.shape, t.dtype, t.device) for name, t in self.live.items()}
+            empty = {name: t.new_empty(0) for name, t in self.live.items()}
+            self._point_at(empty)
+            self.live, self.spare = empty, None if self.spare is None else dict(empty)
+        self.torn = ("the weights were released (release_memory_occupation): resume_memory_occupation, then push a "
+                     "complete version")
+
+    def reclaim(self) -> None:
+        """Allocate the released tensors again (zeros; the spare buffer too): the engine stays torn
+        until a complete update commits."""
+        if self.released is None:
+            return
+        live = {name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype, device) in
+                self.released.items()}
+        self._point_at(live)
+        self.live = live
+        if self.double_buffer:
+            self.spare = {name: torch.empty_like(t) for name, t in live.items()}
+        self.released = None
+        self.torn = "the weights were released and are allocated again: push a complete version"
 
     def close(self) -> None:
         """Point the model at private copies and release the shared segments."""

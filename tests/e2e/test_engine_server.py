@@ -703,25 +703,34 @@ def test_weights_over_a_real_gloo_group_from_rank_0_in_buckets(model_dir, tmp_pa
     assert after_second["output_ids"] == greedy_loop(load_pretrained(newer_dir), prompt, 6)
 
 
-def test_tensor_updates_are_refused_and_memory_endpoints_are_no_ops(model_dir):
+def test_tensor_updates_are_refused_and_released_memory_comes_back_empty_until_a_push(model_dir):
     async def scenario():
         async with served(model_dir) as client, aiohttp.ClientSession() as http:
-            answers = []
-            for method, path, body in (("POST", "/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="]}),
-                                       ("POST", "/release_memory_occupation", {"tags": ["weights"]}),
-                                       ("GET", "/resume_memory_occupation", None),
-                                       ("POST", "/destroy_weights_update_group", {"group_name": "none"})):
+            async def call(method, path, body):
                 async with http.request(method, client.base_url + path, json=body) as response:
-                    answers.append((response.status, await response.json()))
-            ok = await client.generate(input_ids=[1, 2, 3], sampling_params={**GREEDY, "max_new_tokens": 2})
-            return answers, ok
+                    return response.status, await response.json()
 
-    answers, ok = run(scenario())
-    (tensor_status, tensor), release, resume, (destroy_status, destroy) = answers
+            tensor = await call("POST", "/update_weights_from_tensor", {"serialized_named_tensors": ["eA=="]})
+            destroy = await call("POST", "/destroy_weights_update_group", {"group_name": "none"})
+            bad_tags = await call("POST", "/release_memory_occupation", {"tags": ["cuda_graph"]})
+            release = await call("POST", "/release_memory_occupation", {"tags": ["weights", "kv_cache"]})
+            refused = await call("POST", "/generate", {"input_ids": [1, 2, 3], "sampling_params": GREEDY})
+            resume = await call("GET", "/resume_memory_occupation", None)
+            still = await call("POST", "/generate", {"input_ids": [1, 2, 3], "sampling_params": GREEDY})
+            pushed = await client.update_weights_from_disk(str(model_dir), weight_version="1")
+            ok = await client.generate(input_ids=[1, 2, 3], sampling_params={**GREEDY, "max_new_tokens": 2})
+            return tensor, destroy, bad_tags, release, refused, resume, still, pushed, ok
+
+    (tensor_status, tensor), (destroy_status, destroy), bad_tags, release, refused, resume, still, pushed, ok = \
+        run(scenario())
     assert tensor_status == 400 and not tensor["success"] and "pickled" in tensor["message"]
-    assert release == (200, None) and resume == (200, None)
     assert destroy_status == 400 and "no weight update group 'none'" in destroy["message"]
-    assert ok["meta_info"]["completion_tokens"] == 2
+    assert bad_tags[0] == 400 and "memory tags must be among weights, kv_cache" in bad_tags[1]["error"]["message"]
+    assert release == (200, None) and resume == (200, None)
+    assert refused[0] == 503 and "released" in refused[1]["error"]["message"]
+    assert still[0] == 503 and "push a complete version" in still[1]["error"]["message"]  # zeros are not served
+    assert pushed["success"] and ok["meta_info"]["completion_tokens"] == 2
+    assert ok["output_ids"] == greedy_loop(load_pretrained(model_dir), [1, 2, 3], 2)
 
 
 def test_openai_completions_with_token_prompts_echo_and_logprobs(model_dir, model):
