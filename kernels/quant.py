@@ -3,6 +3,7 @@
     q = quantize(x, fmt)          # a QTensor: packed values, their scales, the original shape/dtype
     y = dequantize(q)             # back to x's dtype and shape
     y = fake_quant(x, fmt)        # dequantize(quantize(x)) forward, identity gradient (QAT)
+    y = fp8_linear(x, w, b)       # FP8 blockwise training: forward and backward matmuls on E4M3 values
 
 Blocks run along the last dimension (leading dimensions are rows), except "fp8_block" weights,
 whose blocks are 128 x 128 tiles of a 2-D weight. A partial block at an edge is a block of its own.
@@ -37,7 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FORMATS", "QTensor", "dequantize", "e2m1_decode", "e2m1_encode", "e4m3", "fake_quant", "quantize"]
+__all__ = ["FORMATS", "QTensor", "dequantize", "e2m1_decode", "e2m1_encode", "e4m3", "fake_quant", "fp8_linear",
+           "quantize"]
 
 FORMATS = ("fp8_block", "mxfp8", "nvfp4", "int4")
 E4M3_MAX = 448.0
@@ -170,6 +172,34 @@ class _FakeQuant(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         return grad, None, None
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """y = q(x) q(W)^T + b with E4M3 blockwise fake-quant (activations and gradients in 1 x 128
+    groups, weights in 128 x 128 tiles), both backward matmuls on the quantized gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+        xq = dequantize(quantize(x, "fp8_block", kind="activation"))
+        wq = dequantize(quantize(weight, "fp8_block"))
+        ctx.save_for_backward(xq, wq)
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(xq, wq, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # type: ignore[override]
+        xq, wq = ctx.saved_tensors
+        gq = dequantize(quantize(grad, "fp8_block", kind="activation"))
+        grad_x = gq @ wq
+        grad_w = gq.reshape(-1, gq.shape[-1]).t() @ xq.reshape(-1, xq.shape[-1])
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A linear layer whose forward and backward matmuls run on FP8 blockwise values (emulated:
+    quantize, dequantize, matmul in the input's dtype), DeepSeek-V3's FP8 training recipe."""
+    return _Fp8Linear.apply(x, weight, bias)
 
 
 def fake_quant(x: torch.Tensor, fmt: str, *, kind: str = "weight") -> torch.Tensor:

@@ -160,6 +160,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # base and serves base + adapter merged into each layer's weight (made again before the first
     # step after every update), so decoding runs one matmul per layer as without adapters.
     lora: LoraConfig = LoraConfig()
+    # Serve the attention and MLP projections as a quantized format holds them (kernels/quant.py:
+    # "fp8_block", "mxfp8", "nvfp4", "int4"), emulated on CPU: each weight quantized and
+    # dequantized in blocks after every update, the pushed weights kept as they are; "none" serves
+    # them as pushed.
+    weight_format: Literal["none", "fp8_block", "mxfp8", "nvfp4", "int4"] = "none"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_running_requests", "max_waiting_requests", "max_prefill_tokens"):
@@ -332,6 +337,11 @@ class Engine:
         self._weights_epoch = 0
         self._prepacked_epoch = -1
         self._merged_epoch = -1  # LoRA: the weights epoch whose adapters are merged in
+        self._weight_format = "" if config.weight_format == "none" else config.weight_format
+        if self._weight_format and not hasattr(model, "quantize_served"):
+            raise ValueError(f"EngineConfig.weight_format = {config.weight_format!r} needs a model with quantize_served "
+                             f"(miles_async.models.CausalLM), got {type(model).__name__}")
+        self._served_epoch = -1  # the weights epoch served quantized (with a weight_format)
         self._fused = (config.fused_cpu_kernels and not config.batch_invariant and hasattr(model, "use_cpu_kernels")
                        and compute.run_sync(cpu_kernels.supports, kv_dtype, self.device))
         if self._fused:
@@ -567,7 +577,9 @@ class Engine:
                 await compute.run(self.weights.release)
                 if self._prepack:
                     await compute.run(self.model.prepack_weights, False)
-                self._prepacked_epoch = -1
+                if self._weight_format:
+                    await compute.run(self.model.quantize_served, "")
+                self._prepacked_epoch = self._served_epoch = -1
             if "kv_cache" in wanted:
                 self._cache_epoch += 1
                 await compute.run(self.cache.release_memory)
@@ -854,6 +866,9 @@ class Engine:
         if self._lora and self._merged_epoch != self._weights_epoch:  # new adapters: into the weights
             merge_lora(self.model)
             self._merged_epoch = self._weights_epoch
+        if self._weight_format and self._served_epoch != self._weights_epoch:  # new weights: served as the format holds
+            self.model.quantize_served(self._weight_format)
+            self._served_epoch = self._weights_epoch
         if self._prepack and self._prepacked_epoch != self._weights_epoch:
             self.model.prepack_weights()
             self._prepacked_epoch = self._weights_epoch

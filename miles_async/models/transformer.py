@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles_async.kernels import batch_invariant, cpu_kernels, onednn
+from miles_async.kernels import batch_invariant, cpu_kernels, onednn, quant
 from miles_async.models.attention import AttentionBackend, DenseCausalAttention
 from miles_async.models.config import ModelConfig
 from miles_async.models.lora import lora_delta
@@ -39,8 +39,18 @@ class Linear(nn.Linear):
     prepacked: torch.Tensor | None = None  # set per module by CausalLM.prepack_weights
     lora_rank = 0  # set per module by add_lora; 0: no adapter
     lora_base: torch.Tensor | None = None  # set by merge_lora: the weight holds base + the adapter's delta
+    fake_quant = ""  # set by CausalLM.set_fake_quant: the trainer's quantization-aware format
+    served: torch.Tensor | None = None  # set by CausalLM.quantize_served: the weight as a quantized format holds it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fake_quant:  # quantization-aware training: the weights (fp8: and activations) as the format holds them
+            if self.fake_quant == "fp8_block":
+                return quant.fp8_linear(x, self.weight, self.bias)
+            return F.linear(x, quant.fake_quant(self.weight, self.fake_quant), self.bias)
+        if self.served is not None and self.prepacked is None:  # the engine, serving a quantized format
+            if self.batch_invariant:
+                return batch_invariant.linear(x, self.served, self.bias)
+            return F.linear(x, self.served, self.bias)
         if self.lora_rank and self.lora_base is None:  # an adapter, unmerged (the trainer's)
             if self.batch_invariant:  # the merged weight, as the engine serves it (bit for bit), with gradient
                 return batch_invariant.linear(x, self.weight + lora_delta(self.lora_A, self.lora_B, self.lora_scale),
@@ -296,14 +306,14 @@ class CausalLM(nn.Module):
             if not enabled:
                 return None
             with torch.no_grad():
-                stacked = torch.cat([layer.weight for layer in layers])
+                stacked = torch.cat([_serving(layer) for layer in layers])
                 bias = None if all(layer.bias is None for layer in layers) else torch.cat([
                     layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features)
                     for layer in layers])
             return onednn.prepack(stacked), bias
 
         def pack_one(layer: Linear) -> None:  # a Linear keeps its own bias: its weight's copy only
-            layer.prepacked = onednn.prepack(layer.weight) if enabled else None
+            layer.prepacked = onednn.prepack(_serving(layer)) if enabled else None
 
         for module in self.modules():
             if isinstance(module, Attention):
@@ -327,6 +337,27 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.fused = enabled
+
+    def set_fake_quant(self, fmt: str = "") -> None:
+        """Quantization-aware training (`kernels.quant`): the attention and MLP projections run
+        their weights as format `fmt` holds them, with straight-through gradients ("int4": the
+        weights; "fp8_block": weights, activations and the backward's gradients, blockwise E4M3);
+        "" turns it off. The embeddings and the output projection stay in full precision."""
+        if fmt not in ("", "fp8_block", "int4"):
+            raise ValueError(f"fake quantization trains for 'fp8_block' or 'int4' (or '' for none), got {fmt!r}")
+        for module in _projections(self):
+            module.fake_quant = fmt
+
+    def quantize_served(self, fmt: str) -> int:
+        """Serve the attention and MLP projections' weights as format `fmt` holds them (the engine's
+        `weight_format`, emulated: each weight quantized then dequantized in blocks, made again after
+        every update; the weights themselves stay as pushed); "" serves them as they are. The number
+        of layers served quantized."""
+        layers = _projections(self)
+        with torch.no_grad():
+            for module in layers:
+                module.served = quant.dequantize(quant.quantize(module.weight, fmt)) if fmt else None
+        return len(layers) if fmt else 0
 
     def set_batch_invariant(self, enabled: bool = True) -> None:
         """Switch true on-policy mode on or off (module flags only; weights untouched)."""
@@ -391,3 +422,17 @@ class CausalLM(nn.Module):
                 raise ValueError(
                     f"routed_experts holds ids outside [0, {config.num_experts}): min {lowest}, max {highest}"
                 )
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _projections(model: nn.Module) -> list[Linear]:
+    """The attention and MLP projections (quantized formats cover these; embeddings and lm_head stay)."""
+    return [m for name, m in model.named_modules() if isinstance(m, Linear) and name.rsplit(".", 1)[-1] in _PROJECTIONS]
+
+
+def _serving(layer: nn.Linear) -> torch.Tensor:
+    """The weight a layer serves: its quantized form when the engine serves a format, else itself."""
+    served = getattr(layer, "served", None)
+    return layer.weight if served is None else served

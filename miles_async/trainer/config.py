@@ -75,6 +75,11 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # attention and MLP projections only (optimizer state for them alone); the weight pushes then
     # move the adapters alone, the engines merging them into a copy of the base.
     lora: LoraConfig = LoraConfig()
+    # Quantization-aware training (kernels/quant.py): "int4" runs the attention and MLP projections'
+    # weights as INT4 holds them (groups of 128), so that an engine serving int4 weights serves
+    # what was trained; "fp8_block" runs their forward and backward matmuls on FP8 blockwise values
+    # (emulated); straight-through gradients either way.
+    fake_quant: Literal["none", "fp8_block", "int4"] = "none"
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

@@ -97,6 +97,8 @@ class Trainer:
             config.seed)) if config.lora.enabled else ())
         if config.batch_invariant:
             model.set_batch_invariant(True)  # before sharding: the flags live on the modules
+        if config.fake_quant != "none":
+            model.set_fake_quant(config.fake_quant)
         model.train()
         self.model = shard_model(model, device)
         attach_logprobs(self.model, config)

@@ -15,6 +15,7 @@ from miles_async.kernels.quant import (
     e2m1_encode,
     e4m3,
     fake_quant,
+    fp8_linear,
     quantize,
 )
 
@@ -161,3 +162,69 @@ def test_bad_input_is_named() -> None:
         quantize(torch.ones(4), "int4", kind="bias")
     with pytest.raises(ValueError, match="at least one element"):
         quantize(torch.tensor(1.0), "int4")
+
+
+def test_fp8_linear_quantizes_both_matmuls_of_the_backward() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 256, generator=gen, requires_grad=True)
+    w = torch.randn(64, 256, generator=gen, requires_grad=True)
+    b = torch.randn(64, generator=gen, requires_grad=True)
+    y = fp8_linear(x, w, b)
+    xq = dequantize(quantize(x, "fp8_block", kind="activation"))
+    wq = dequantize(quantize(w, "fp8_block"))
+    assert torch.equal(y.detach(), torch.nn.functional.linear(xq, wq, b).detach())
+    grad = torch.randn(2, 5, 64, generator=gen)
+    y.backward(grad)
+    gq = dequantize(quantize(grad, "fp8_block", kind="activation"))
+    torch.testing.assert_close(x.grad, gq @ wq, rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, gq.reshape(-1, 64).t() @ xq.reshape(-1, 256), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(b.grad, grad.reshape(-1, 64).sum(0))
+
+
+def test_a_model_trains_for_and_an_engine_serves_a_quantized_format(tmp_path) -> None:
+    import asyncio
+
+    from miles_async.engine import Engine, EngineConfig, GenerateRequest
+    from miles_async.engine.sampling import SamplingParams
+    from miles_async.models import init_model, load_pretrained
+
+    folder = init_model("qwen3", "tiny", tmp_path / "m", seed=0, init_std=0.3)
+    ids = [5, 9, 13, 17, 21, 25, 29, 33]
+    targets = torch.tensor(ids[1:])[:, None]
+
+    def logprobs(model) -> torch.Tensor:
+        logp = torch.log_softmax(model(torch.tensor([ids]))[0].float(), dim=-1)
+        return logp[:-1].gather(1, targets).squeeze(1)
+
+    plain = load_pretrained(folder)
+    with torch.no_grad():
+        base = logprobs(plain)
+    for fmt in ("fp8_block", "mxfp8", "nvfp4", "int4"):
+        served = load_pretrained(folder)
+        assert served.quantize_served(fmt) == 7 * served.config.num_hidden_layers
+        with torch.no_grad():
+            want = logprobs(served)
+        assert (want - base).abs().mean() > 1e-3  # the format changes the model
+        for batch_invariant in (False, True):
+            engine = Engine.from_pretrained(str(folder), config=EngineConfig(
+                kv_cache_mib=4, weight_format=fmt, batch_invariant=batch_invariant))
+
+            async def score(engine=engine):
+                async with engine:
+                    out = await engine.generate(GenerateRequest(
+                        input_ids=ids, sampling_params=SamplingParams(max_new_tokens=0), return_logprob=True,
+                        logprob_start_len=0))
+                return torch.tensor([lp for lp, _ in out.input_token_logprobs[1:]])
+
+            got = asyncio.run(asyncio.wait_for(score(), 60))
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=f"{fmt} batch_invariant={batch_invariant}")
+        if fmt == "int4":  # quantization-aware training: the trainer's forward is the served model's
+            trained = load_pretrained(folder)
+            trained.set_fake_quant("int4")
+            logp = logprobs(trained)
+            torch.testing.assert_close(logp.detach(), want, rtol=0, atol=1e-5)
+            logp.sum().backward()  # straight through: every projection's weight gets a gradient
+            assert all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for n, m in trained.named_modules()
+                       if n.endswith("q_proj"))
+    with pytest.raises(ValueError, match="fake quantization trains for"):
+        plain.set_fake_quant("nvfp4")
