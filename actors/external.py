@@ -358,46 +358,37 @@ class ExternalEngineActor(Actor):
             raise TransportError(f"{self.name}: CommitUpdate with no update file (BeginUpdate, LoadWeightsFile first)")
         version, path = self.updating, self.pending
         self.updating = self.pending = None
-        if self.lora is not None:
-            return await self._commit_adapter(version, path, msg.checksums)
-        tensors: dict[str, torch.Tensor] | None = None
-        if msg.checksums is not None:  # the file is what the pusher meant
-            tensors = await asyncio.to_thread(_read, path)
-            bad = compare(msg.checksums, await asyncio.to_thread(checksums, tensors))
-            if bad:
-                raise TransportError(f"{self.name}: the update file {path} differs from what was pushed in "
-                                     f"{len(bad)} tensor(s), e.g. {', '.join(bad[:4])}; version {version} not loaded")
-        if self.kind == "vllm" and self.tied and not self.config.url:  # it serves the untied view
-            await asyncio.to_thread(_write_lm_head, path)
-        await asyncio.to_thread(shutil.copyfile, Path(self.model_dir) / "config.json", path.parent / "config.json")
-        # flushed only when the pause aborted everything: SGLang fails the update when the flush finds
-        # requests held (rollout.partial = "continue" keeps them in place)
-        await _in_task(self.backend.reload_weights(str(path.parent), str(version), flush_cache=self.paused == "abort"))
-        if tensors is not None:
+        # the file is what the pusher meant (verifying); LoRA's adapters are read in any case
+        tensors = await self._checked_file(path, msg.checksums, version) \
+            if msg.checksums is not None or self.lora is not None else None
+        if self.lora is not None:  # written as a PEFT folder beside the file, served in place of the last
+            assert tensors is not None
+            folder = await asyncio.to_thread(write_peft_adapter, path.parent / "adapter", tensors, self.lora)
+            await _in_task(self.backend.load_adapter(ADAPTER_NAME, str(folder)))
+        else:
+            if self.kind == "vllm" and self.tied and not self.config.url:  # it serves the untied view
+                await asyncio.to_thread(_write_lm_head, path)
+            await asyncio.to_thread(shutil.copyfile, Path(self.model_dir) / "config.json", path.parent / "config.json")
+            # flushed only when the pause aborted everything: SGLang fails the update when the flush finds
+            # requests held (rollout.partial = "continue" keeps them in place)
+            await _in_task(self.backend.reload_weights(str(path.parent), str(version),
+                                                       flush_cache=self.paused == "abort"))
+        if msg.checksums is not None and tensors is not None:
             expected = await asyncio.to_thread(self._reference_logprobs, tensors)
             await self._probe(self._reference.ids, expected, version)
         self.weights_error = None
         self.version, self.label = version, str(version)
         return self.state()
 
-    async def _commit_adapter(self, version: int, path: Path, expected_checksums: dict[str, str] | None) -> EngineState:
-        """LoRA: the file holds the adapters; written as a PEFT folder beside it and served in place
-        of the previous version's (`load_adapter`), then probed like any update when verifying."""
-        assert self.lora is not None
+    async def _checked_file(self, path: Path, expected: dict[str, str] | None, version: int) -> dict[str, torch.Tensor]:
+        """The update file's tensors, compared with the pusher's checksums when it sent them."""
         tensors = await asyncio.to_thread(_read, path)
-        if expected_checksums is not None:
-            bad = compare(expected_checksums, await asyncio.to_thread(checksums, tensors))
+        if expected is not None:
+            bad = compare(expected, await asyncio.to_thread(checksums, tensors))
             if bad:
                 raise TransportError(f"{self.name}: the update file {path} differs from what was pushed in "
                                      f"{len(bad)} tensor(s), e.g. {', '.join(bad[:4])}; version {version} not loaded")
-        folder = await asyncio.to_thread(write_peft_adapter, path.parent / "adapter", tensors, self.lora)
-        await _in_task(self.backend.load_adapter(ADAPTER_NAME, str(folder)))
-        if expected_checksums is not None:
-            expected = await asyncio.to_thread(self._reference_logprobs, tensors)
-            await self._probe(self._reference.ids, expected, version)
-        self.weights_error = None
-        self.version, self.label = version, str(version)
-        return self.state()
+        return tensors
 
     async def _commit_distributed(self, version: int, probe_ids: list[int], expected: list[float]) -> EngineState:
         """The server holds the version (ReceiveDistributed): probe it when the pusher sent the
