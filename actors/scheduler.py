@@ -17,9 +17,9 @@ The decisions (what to submit, where, whether admission is open) are
 sample frees its slot at once and the slot is refilled in the same turn; a group whose n samples
 are in goes to the buffer. With a distillation teacher (`teacher`, actors/teacher.py) a finished
 sample's slot is refilled first and the sample is then scored by the teacher; its group goes to
-the buffer once every member is scored (a failed scoring fails the sample). Replies from an engine that was declared lost are ignored (the policy
-reissued those samples), so no sample is counted twice, and their arrays are freed from the data
-plane. The dataset's items are the task's, opaque here: a worker turns one into a prompt. When
+the buffer once every member is scored (a failed scoring fails the sample). Replies from an
+engine that was declared lost are ignored (the policy reissued those samples), so no sample is
+counted twice, and their arrays are freed from the data plane. The dataset's items are the task's, opaque here: a worker turns one into a prompt. When
 every sample fails (an agent that always raises, a session server or engine refusing at once),
 the refill would spin as fast as the failures come: past 16 failures in a row each one waits
 before its slot is refilled (doubling, up to 5 s), the latest error is logged, and the first

@@ -169,8 +169,7 @@ class TeacherScorer(Actor):
         self._busy(+1)
         try:
             inline = isinstance(sample.data, TokenData)
-            data = sample.data if isinstance(sample.data, TokenData) else decode_data(
-                await self.system.dataplane.read(sample.data))
+            data = sample.data if isinstance(sample.data, TokenData) else await self._read(sample.data)
             mask = data.mask()
             start = int(np.argmax(mask != 0)) if mask.any() else len(mask)
             if start == 0:
@@ -198,6 +197,13 @@ class TeacherScorer(Actor):
         busy = self.busy_s + (time.perf_counter() - self._busy_since if self.in_flight else 0.0)
         return TeacherStats(num_scored=self.num_scored, num_failed=self.num_failed, busy_s=busy, queued=self.queued,
                             in_flight=self.in_flight)
+
+    async def _read(self, ref: BlobRef) -> TokenData:
+        view = await self.system.dataplane.read(ref)
+        try:
+            return decode_data(view)
+        finally:
+            view.release()
 
     async def _request(self, token_ids: list[int], start: int) -> list[float]:
         if self.engine is not None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -158,8 +159,6 @@ def write_peft_adapter(folder: str | Path, named: dict[str, torch.Tensor], confi
         "target_modules": modules, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
         "use_rslora": False, "init_lora_weights": True}, indent=1))
     if folder.exists():
-        import shutil
-
         shutil.rmtree(folder)
     os.replace(tmp, folder)
     return folder

@@ -26,7 +26,7 @@ from torch import nn
 from miles_async.kernels import batch_invariant, cpu_kernels, onednn, quant
 from miles_async.models.attention import AttentionBackend, DenseCausalAttention
 from miles_async.models.config import ModelConfig
-from miles_async.models.lora import lora_delta
+from miles_async.models.lora import DEFAULT_TARGETS, lora_delta
 from miles_async.models.rope import Rotary, apply_rotary
 
 
@@ -424,12 +424,11 @@ class CausalLM(nn.Module):
                 )
 
 
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def _projections(model: nn.Module) -> list[Linear]:
-    """The attention and MLP projections (quantized formats cover these; embeddings and lm_head stay)."""
-    return [m for name, m in model.named_modules() if isinstance(m, Linear) and name.rsplit(".", 1)[-1] in _PROJECTIONS]
+    """The attention and MLP projections (LoRA's default targets; quantized formats cover these,
+    embeddings and lm_head stay)."""
+    return [m for name, m in model.named_modules()
+            if isinstance(m, Linear) and name.rsplit(".", 1)[-1] in DEFAULT_TARGETS]
 
 
 def _serving(layer: nn.Linear) -> torch.Tensor:

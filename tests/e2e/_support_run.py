@@ -58,3 +58,22 @@ def titled(pids: list[int]) -> dict[str, int]:
         if cmdline.startswith("miles-async: "):
             found[cmdline.removeprefix("miles-async: ")] = pid
     return found
+
+
+def kill_mid_run(args: list[str], role: str, ready: Callable[[], bool], what: str) -> tuple[int, str, list[int]]:
+    """Run the CLI with `args`, SIGKILL the process of `role` (its title) once `ready()`, and wait
+    for the run to end: (its exit status, its stderr, the pids of its processes at the kill)."""
+    import os
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "miles_async.launch.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(ready, 180, what)
+        children = pids_alive(proc.pid)
+        os.kill(titled(children)[role], signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, stderr, children

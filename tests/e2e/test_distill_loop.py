@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 import pytest
 import torch
-from _support_run import SHORT, pids_alive, run_cli, titled, wait_for
+from _support_run import SHORT, kill_mid_run, run_cli, wait_for
 
 from miles_async.actors.controller import Controller
 from miles_async.actors.engine import EngineActor, EngineStatus, ScoreTokens
@@ -200,17 +196,9 @@ def test_the_teachers_death_stops_the_run_in_one_line_naming_it(tmp_path: Path, 
     out = tmp_path / "run"
     args = ["run", str(RECIPE), "--out", str(out), "--quiet", *SHORT, "loop.num_steps=100000", "eval.mode=none",
             "loop.checkpoint_every=2", f'teacher.path="{teacher_dir}"', "trainer.policy_loss.distill_coef=1.0"]
-    proc = subprocess.Popen([sys.executable, "-m", "miles_async.launch.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(lambda: (out / "metrics.jsonl").is_file() and len(rows(out)) >= 3, 180, "three RL steps")
-        children = pids_alive(proc.pid)
-        os.kill(titled(children)["teacher"], signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1, stderr[-3000:]
+    status, stderr, children = kill_mid_run(
+        args, "teacher", lambda: (out / "metrics.jsonl").is_file() and len(rows(out)) >= 3, "three RL steps")
+    assert status == 1, stderr[-3000:]
     said = [line for line in stderr.splitlines() if "the distillation teacher's engine (teacher" in line]
     assert len(said) == 1 and "died" in said[0] and "--resume continues from" in said[0], stderr[-3000:]
     assert "Traceback" not in stderr

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _support_run import SHORT, pids_alive, run_cli, titled, wait_for
+from _support_run import SHORT, kill_mid_run, pids_alive, run_cli, titled, wait_for
 
 from miles_async.actors.controller import Controller
 from miles_async.actors.controller import run as run_loop
@@ -292,19 +292,11 @@ def test_a_trainer_killed_without_restarts_stops_in_one_line_and_resume_finishes
     out = tmp_path / "run"
     args = ["run", str(RECIPE), "--out", str(out), "--quiet", *SHORT, "loop.num_steps=8", "loop.checkpoint_every=2",
             "eval.mode=none"]
-    proc = subprocess.Popen([sys.executable, "-m", "miles_async.launch.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(lambda: (out / "metrics.jsonl").is_file() and len(rows(out)) >= 3
-                 and any((p / "run_state.json").is_file() for p in (out / "checkpoints").glob("step_*")),
-                 180, "three RL steps and a checkpoint written")
-        children = pids_alive(proc.pid)
-        os.kill(titled(children)["trainer-0"], signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1, stderr[-3000:]
+    status, stderr, children = kill_mid_run(
+        args, "trainer-0", lambda: (out / "metrics.jsonl").is_file() and len(rows(out)) >= 3
+        and any((p / "run_state.json").is_file() for p in (out / "checkpoints").glob("step_*")),
+        "three RL steps and a checkpoint written")
+    assert status == 1, stderr[-3000:]
     said = [line for line in stderr.splitlines() if "trainer rank 0" in line]
     assert len(said) == 1 and "died" in said[0] and "--resume continues from" in said[0], stderr[-3000:]
     assert "Traceback" not in stderr
