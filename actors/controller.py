@@ -536,6 +536,8 @@ class Controller:
             "dropped_aborted": buffer_state.dropped.get("aborted", 0),
             "dropped_filtered": buffer_state.dropped.get("filtered", 0),
             "loss": metrics.loss, "grad_norm": metrics.grad_norm, "entropy": metrics.entropy,
+            "tis_truncated_fraction": metrics.tis_truncated_fraction,
+            "mis_masked_fraction": metrics.mis_masked_fraction,
             "response_len_mean": statistics.fmean(s.num_generated_tokens for s in samples)}
         if self.fleet.teacher_scorer is not None:  # distillation: the distance to the teacher, the stage's time
             row |= {"teacher_kl": metrics.teacher_kl, "teacher_s": sum(s.teacher_s for s in samples),

@@ -12,8 +12,9 @@ Metrics rows are plain dicts of numbers. The controller writes these keys (the p
     staleness_max, num_samples, num_tokens, num_forward_tokens (num_tokens less the repeats of
     prompts the trainer ran once per group), samples_per_s, step_s, wait_data_s, train_s,
     update_s, trainer_idle_fraction, engine_busy_fraction, buffer_occupancy, dropped_stale,
-    dropped_aborted, dropped_filtered, loss, grad_norm, entropy, response_len_mean (generated
-    tokens per trained sample); with a distillation teacher also teacher_kl (mean per-token
+    dropped_aborted, dropped_filtered, loss, grad_norm, entropy, tis_truncated_fraction and
+    mis_masked_fraction (trained tokens whose TIS weight hit the cap, or which MIS dropped),
+    response_len_mean (generated tokens per trained sample); with a distillation teacher also teacher_kl (mean per-token
     rollout log-prob - teacher log-prob over the trained tokens: the reverse KL's estimate),
     teacher_s and teacher_wait_s (the teacher's scoring requests and their queue, summed over the
     step's samples), teacher_busy_fraction (the share of the step the teacher had work)

@@ -32,6 +32,8 @@ Try it:
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Literal
 
@@ -55,6 +57,10 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
         sets high > low).
     dual_clip_c: for negative advantages the loss is bounded by c * |A| (c > 1); None disables.
     tis_cap: truncated importance sampling cap on exp(old_logp - rollout_logp); None disables TIS.
+    mis_band: masked importance sampling: (low, high) bounds on the same ratio; a token whose ratio
+        falls outside [low, high] is dropped from the loss (its term and gradient are 0; the
+        aggregation's denominator is unchanged), the rest are weighted as TIS says (or by 1 without
+        TIS). Where TIS caps an off-policy token's weight, MIS discards it; None disables.
     kl_coef / kl_estimator: weight and estimator of KL(policy || reference); 0 disables.
     distill_coef: on-policy distillation's weight; 0 disables. How the signal enters
         (`distill_mode`): "advantage" (`distill_advantages`: each trained token's advantage loses
@@ -73,6 +79,7 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
     eps_clip_high: float = 0.2
     dual_clip_c: float | None = 3.0
     tis_cap: float | None = 2.0
+    mis_band: tuple[float, float] | None = None
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
@@ -89,6 +96,9 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"PolicyLossConfig.dual_clip_c must be > 1 (or None to disable), got {self.dual_clip_c}")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"PolicyLossConfig.tis_cap must be > 0 (or None to disable TIS), got {self.tis_cap}")
+        if self.mis_band is not None and not 0 <= self.mis_band[0] < 1 < self.mis_band[1]:
+            raise ValueError(f"PolicyLossConfig.mis_band must be (low, high) with 0 <= low < 1 < high (or None to "
+                             f"disable MIS), got {list(self.mis_band)}")
         if self.kl_coef < 0 or self.entropy_coef < 0 or self.distill_coef < 0:
             raise ValueError(f"PolicyLossConfig.kl_coef, entropy_coef and distill_coef must be >= 0, got "
                              f"{self.kl_coef}, {self.entropy_coef} and {self.distill_coef}")
@@ -108,7 +118,8 @@ class PolicyLossOutput:
     The parts are aggregated like the loss: loss = pg_loss + kl_coef * kl - entropy_coef * entropy (+ distill_coef
     * the reverse KL to the teacher with distill_mode "kl").
     `clipped_T`: the PPO clip set the token's term (its gradient is 0); `dual_clipped_T`: the dual
-    clip did; `tis_truncated_T`: the TIS weight hit the cap. All three are False off the loss mask.
+    clip did; `tis_truncated_T`: the TIS weight hit the cap; `mis_masked_T`: MIS dropped the token.
+    All four are False off the loss mask.
     """
 
     loss: torch.Tensor
@@ -118,6 +129,7 @@ class PolicyLossOutput:
     clipped_T: torch.Tensor
     dual_clipped_T: torch.Tensor
     tis_truncated_T: torch.Tensor
+    mis_masked_T: torch.Tensor | None = None
 
 
 def ppo_clip_loss(logp_T: torch.Tensor, old_logp_T: torch.Tensor, advantages_T: torch.Tensor, *,
@@ -148,6 +160,15 @@ def tis_weights(old_logp_T: torch.Tensor, rollout_logp_T: torch.Tensor,
         raw_T = torch.exp(torch.clamp(old_logp_T - rollout_logp_T, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
         truncated_T = raw_T > cap
         return torch.clamp(raw_T, max=cap), truncated_T
+
+
+def mis_keep(old_logp_T: torch.Tensor, rollout_logp_T: torch.Tensor, band: tuple[float, float]) -> torch.Tensor:
+    """Masked importance sampling: True where low <= exp(old_logp - rollout_logp) <= high (compared
+    in log space, so no ratio overflows), the tokens MIS keeps."""
+    with torch.no_grad():
+        log_ratio_T = old_logp_T - rollout_logp_T
+        low = math.log(band[0]) if band[0] > 0 else -math.inf
+        return (log_ratio_T >= low) & (log_ratio_T <= math.log(band[1]))
 
 
 def distill_advantages(advantages_T: torch.Tensor, student_logp_T: torch.Tensor, teacher_logp_T: torch.Tensor,
@@ -228,7 +249,7 @@ def policy_loss(logp_T: torch.Tensor, advantages_T: torch.Tensor, loss_mask_T: t
                 teacher_logp_T: torch.Tensor | None = None, denominator: float | None = None) -> PolicyLossOutput:
     """PPO-clip policy loss with TIS, KL and entropy terms, aggregated by `config.aggregation`.
 
-    `rollout_logp_T` is needed when `config.tis_cap` is set, `ref_logp_T` when `config.kl_coef` > 0,
+    `rollout_logp_T` is needed when `config.tis_cap` or `config.mis_band` is set, `ref_logp_T` when `config.kl_coef` > 0,
     `teacher_logp_T` when `config.distill_coef` > 0 (with `distill_mode` "advantage" the advantages
     are first folded with `distill_advantages`, from the student's log-probs the step starts from:
     `old_logp_T`; with "kl" the reverse-KL term is added to the loss), and `entropy_T` (with
@@ -255,6 +276,15 @@ def policy_loss(logp_T: torch.Tensor, advantages_T: torch.Tensor, loss_mask_T: t
                              "log-probs or set tis_cap=None")
         weight_T, tis_truncated_T = tis_weights(old_logp_T, rollout_logp_T, config.tis_cap)
         pg_T = pg_T * weight_T
+    mis_masked_T = torch.zeros_like(mask_T)
+    if config.mis_band is not None:
+        if rollout_logp_T is None:
+            raise ValueError("PolicyLossConfig.mis_band is set but no rollout_logp_T was given; pass the engine's "
+                             "log-probs or set mis_band=None")
+        keep_T = mis_keep(old_logp_T, rollout_logp_T, config.mis_band)
+        mis_masked_T = ~keep_T
+        tis_truncated_T = tis_truncated_T & keep_T
+        pg_T = torch.where(keep_T, pg_T, torch.zeros_like(pg_T))
 
     if denominator is None:  # computed once here rather than by each aggregate() call
         denominator = max(aggregation_denominator(config.aggregation, loss_mask_T, seq_ids_T), 1)
@@ -285,7 +315,7 @@ def policy_loss(logp_T: torch.Tensor, advantages_T: torch.Tensor, loss_mask_T: t
         entropy = agg(entropy_T.detach())
     return PolicyLossOutput(loss=loss, pg_loss=pg_loss.detach(), kl=kl.detach(), entropy=entropy.detach(),
                             clipped_T=clipped_T & mask_T, dual_clipped_T=dual_clipped_T & mask_T,
-                            tis_truncated_T=tis_truncated_T & mask_T)
+                            tis_truncated_T=tis_truncated_T & mask_T, mis_masked_T=mis_masked_T & mask_T)
 
 
 def sft_loss(logp_T: torch.Tensor, loss_mask_T: torch.Tensor, seq_ids_T: torch.Tensor | None = None,

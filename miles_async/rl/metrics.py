@@ -8,8 +8,9 @@ sums of exact zeros stay exactly zero, so in true-on-policy mode the mismatch re
 - logprob_abs_diff: mean |trainer log-prob - rollout log-prob| over trained tokens.
 - rollout_kl_k3: k3 estimate of KL(rollout policy || trainer policy) on the sampled tokens:
   with log r = trainer_logp - rollout_logp, k3 = r - 1 - log r (>= 0; 0 iff the two agree).
-- clip_fraction / dual_clip_fraction / tis_truncated_fraction: share of trained tokens whose PPO
-  term was clipped, dual-clipped, or whose TIS weight hit the cap (from `PolicyLossOutput`).
+- clip_fraction / dual_clip_fraction / tis_truncated_fraction / mis_masked_fraction: share of
+  trained tokens whose PPO term was clipped, dual-clipped, whose TIS weight hit the cap, or which
+  MIS dropped (from `PolicyLossOutput`).
 - entropy: mean per-token entropy of the trainer's distribution.
 - teacher_kl: mean of trainer log-prob - teacher log-prob over trained tokens, the one-sample
   estimate of the student's reverse KL to a distillation teacher at the weights being trained
@@ -32,7 +33,7 @@ from miles_async.rl.losses import PolicyLossOutput
 
 METRIC_SUM_NAMES: tuple[str, ...] = (
     "num_trained_tokens", "logprob_abs_diff", "rollout_kl_k3", "clipped", "dual_clipped", "tis_truncated",
-    "entropy", "teacher_kl",
+    "entropy", "teacher_kl", "mis_masked",
 )
 
 
@@ -47,6 +48,7 @@ class RLMetrics(msgspec.Struct, frozen=True, kw_only=True):
     tis_truncated_fraction: float
     entropy: float
     teacher_kl: float = 0.0
+    mis_masked_fraction: float = 0.0
 
     @classmethod
     def from_sums(cls, sums_K: torch.Tensor) -> RLMetrics:
@@ -63,7 +65,8 @@ class RLMetrics(msgspec.Struct, frozen=True, kw_only=True):
         return cls(num_trained_tokens=int(count), logprob_abs_diff=mean("logprob_abs_diff"),
                    rollout_kl_k3=mean("rollout_kl_k3"), clip_fraction=mean("clipped"),
                    dual_clip_fraction=mean("dual_clipped"), tis_truncated_fraction=mean("tis_truncated"),
-                   entropy=mean("entropy"), teacher_kl=mean("teacher_kl"))
+                   entropy=mean("entropy"), teacher_kl=mean("teacher_kl"),
+                   mis_masked_fraction=mean("mis_masked"))
 
 
 def metric_sums(*, trainer_logp_T: torch.Tensor, rollout_logp_T: torch.Tensor, loss_mask_T: torch.Tensor,
@@ -96,4 +99,5 @@ def metric_sums(*, trainer_logp_T: torch.Tensor, rollout_logp_T: torch.Tensor, l
             masked_sum(None if loss is None else loss.tis_truncated_T),
             masked_sum(entropy_T),
             masked_sum(None if teacher_logp_T is None else trainer_logp_T.double() - teacher_logp_T.double()),
+            masked_sum(None if loss is None else loss.mis_masked_T),
         ])

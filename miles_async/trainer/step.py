@@ -65,6 +65,7 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     clip_fraction: float = 0.0  # PPO clip set the token's term
     dual_clip_fraction: float = 0.0
     tis_truncated_fraction: float = 0.0  # the TIS weight hit the cap
+    mis_masked_fraction: float = 0.0  # MIS dropped the token (its ratio outside policy_loss.mis_band)
     entropy: float = 0.0  # per-token entropy of the trainer's distribution
     teacher_kl: float = 0.0  # trainer log-prob - teacher log-prob: the reverse KL to a distillation teacher
     # The loss's parts, aggregated like the loss (loss = pg_loss + kl_coef * kl - entropy_coef * entropy):
@@ -176,7 +177,8 @@ class Trainer:
             logprob_abs_diff=rl.logprob_abs_diff, mean_reward=reward_sum / max(num_samples, 1),
             elapsed_s=elapsed_s, skipped=skipped, rollout_kl_k3=rl.rollout_kl_k3, clip_fraction=rl.clip_fraction,
             dual_clip_fraction=rl.dual_clip_fraction, tis_truncated_fraction=rl.tis_truncated_fraction,
-            entropy=rl.entropy, pg_loss=pg_loss, kl=kl, num_forward_tokens=int(num_forward), teacher_kl=rl.teacher_kl)
+            entropy=rl.entropy, pg_loss=pg_loss, kl=kl, num_forward_tokens=int(num_forward), teacher_kl=rl.teacher_kl,
+            mis_masked_fraction=rl.mis_masked_fraction)
 
     def eval_loss(self, samples: list[Trajectory], *, num_micro_batches: int, denominator: float) -> float:
         """The SFT loss of this rank's share at the current weights, summed over ranks (a collective

@@ -97,6 +97,31 @@ def test_policy_loss_applies_tis_per_token_and_reports_flags_on_trained_tokens_o
     assert logp_T.grad is not None and logp_T.grad[3] == 0.0
 
 
+def test_mis_drops_tokens_whose_ratio_leaves_the_band_and_tis_weights_the_rest() -> None:
+    logp_T, old_logp_T, adv_T = _ppo_inputs()
+    # importance ratios exp(old - rollout): 3.0 and 0.25 fall outside the band [0.5, 2.0]; 0.6 and
+    # 1.9 stay
+    tis_ratio = torch.tensor([1.0, 3.0, 0.6, 0.25, 1.9, 1.5], dtype=torch.float64)
+    rollout_logp_T = old_logp_T - tis_ratio.log()
+    mask_T = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0], dtype=torch.float64)  # token 5 is not trained
+    for tis_cap, weights in ((None, [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]), (1.5, [1.0, 0.0, 0.6, 0.0, 1.5, 1.5])):
+        logp_T.grad = None
+        out = policy_loss(logp_T, adv_T, mask_T, None, PolicyLossConfig(tis_cap=tis_cap, mis_band=(0.5, 2.0)),
+                          old_logp_T=old_logp_T, rollout_logp_T=rollout_logp_T)
+        # the denominator still counts the dropped tokens (5 trained tokens)
+        expected = sum(w * v * m for w, v, m in zip(weights, EXPECTED_LOSS, mask_T.tolist())) / 5
+        assert out.loss.item() == pytest.approx(expected)
+        assert out.mis_masked_T is not None
+        assert out.mis_masked_T.tolist() == [False, True, False, True, False, False]  # token 5 is masked
+        # a dropped token is never also reported as TIS-capped
+        assert out.tis_truncated_T.tolist() == [False, False, False, False, tis_cap is not None, False]
+        out.loss.backward()
+        assert logp_T.grad is not None and logp_T.grad[1] == 0.0 and logp_T.grad[3] == 0.0
+        assert logp_T.grad[0] != 0.0
+    with pytest.raises(ValueError, match="mis_band is set but no rollout_logp_T"):
+        policy_loss(logp_T, adv_T, mask_T, None, PolicyLossConfig(tis_cap=None, mis_band=(0.5, 2.0)))
+
+
 def test_without_old_logprobs_the_ratio_is_one_and_the_gradient_is_reinforce() -> None:
     logp_T = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
     adv_T = torch.tensor([1.0, -2.0, 0.5])
@@ -242,6 +267,8 @@ def test_missing_inputs_and_bad_shapes_are_named() -> None:
     ({"eps_clip_low": 1.0}, "eps_clip_low"), ({"eps_clip_high": -0.1}, "eps_clip_high"),
     ({"dual_clip_c": 1.0}, "dual_clip_c"), ({"tis_cap": 0.0}, "tis_cap"), ({"kl_coef": -1.0}, "kl_coef"),
     ({"kl_estimator": "k4"}, "kl_estimator"), ({"aggregation": "mean"}, "aggregation"),
+    ({"mis_band": (1.0, 2.0)}, "mis_band"), ({"mis_band": (0.5, 0.9)}, "mis_band"),
+    ({"mis_band": (-0.5, 2.0)}, "mis_band"),
 ])
 def test_policy_loss_config_is_validated(fields: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -60,6 +60,12 @@ def test_fractions_come_from_the_policy_loss_and_sums_add_across_micro_batches()
     assert metrics.dual_clip_fraction == pytest.approx(1 / 5)  # r = 5 with A < 0
     assert metrics.tis_truncated_fraction == pytest.approx(1 / 5)  # token 5 is also capped but not trained
     assert metrics.logprob_abs_diff == pytest.approx(2 / 5)
+    assert metrics.mis_masked_fraction == 0.0
+    # MIS with the band [0.5, 1.5] drops token 1 (ratio e^2), not the untrained token 5
+    mis = policy_loss(logp_T, adv_T, mask_T, None, PolicyLossConfig(tis_cap=None, mis_band=(0.5, 1.5)),
+                      old_logp_T=old_T, rollout_logp_T=rollout_T)
+    mis_K = metric_sums(trainer_logp_T=old_T, rollout_logp_T=rollout_T, loss_mask_T=mask_T, loss=mis)
+    assert RLMetrics.from_sums(mis_K).mis_masked_fraction == pytest.approx(1 / 5)
 
 
 def test_no_trained_tokens_gives_zeros_and_the_struct_encodes() -> None:
