@@ -70,6 +70,8 @@ class EngineState(msgspec.Struct, frozen=True, kw_only=True):
     url: str | None = None  # the HTTP API, when served
     pid: int = 0  # the engine's process
     device: str = "cpu"  # of its weights and KV cache (EngineConfig.device, resolved: e.g. "cuda:0")
+    # the projections' format (EngineConfig.weight_format): a pusher sends them quantized in it
+    weight_format: str = "none"
 
 
 # -- messages -------------------------------------------------------------------------------
@@ -235,7 +237,7 @@ class EngineActor(Actor):
             weights_error=w.serving_error(), updating=w.updating, dtype=self.dtype, num_bytes=w.nbytes,
             target_segment=w.target_segment if w.updating is not None else None,
             url=self.server.url if self.server is not None else None, pid=os.getpid(),
-            device=str(self.engine.device))
+            device=str(self.engine.device), weight_format=self.engine.weights.weight_format or "none")
 
     # ----- generation -----
 

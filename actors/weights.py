@@ -6,7 +6,10 @@
 
 One push, whatever the transport (`WeightSyncConfig.transport`):
   1. load the version (the trainer's exported bucket files, or the in-process source) and convert
-     names and layouts to the engine's (`transport.buckets.convert`, one table per family);
+     names and layouts to the engine's (`transport.buckets.convert`, one table per family), then
+     to the engines' dtype; engines that hold their projections in a quantized format
+     (`EngineConfig.weight_format`) get them quantized here, once, from the trainer's precision
+     (`engine_weights`), and every transport below moves the format's tensors;
   2. before the first push, if verifying: overwrite every engine's weights with random values
      (`RandomFill`), so a tensor the transport skips cannot pass by still holding the right bytes;
   3. pause the engines (`pause_mode`; "none" keeps generating: fine for double-buffered engines);
@@ -77,6 +80,8 @@ from miles_async.actors.external import ProbeReference
 from miles_async.actors.trainer import WeightManifest
 from miles_async.engine.core import PAUSE_MODES
 from miles_async.engine.weights import StaleVersionError
+from miles_async.kernels import quant
+from miles_async.models import is_projection
 from miles_async.runtime import Actor, ActorDeadError, ActorRef, AskTimeoutError, Failure, Message, handler
 from miles_async.transport import colocated
 from miles_async.transport.broadcast import layout_of, layout_to_json, send_buckets
@@ -272,11 +277,12 @@ class WeightPusher(Actor):
             if state.version >= msg.version:
                 raise StaleVersionError(f"weight version {msg.version} is not newer than the engine's {state.version} "
                                         f"({state.name}); the update is rejected (push a newer version)")
-        dtypes = {s.dtype for s in states}
-        if len(dtypes) != 1:
-            raise ValueError(f"the engines hold different dtypes ({', '.join(sorted(dtypes))}); one pusher per dtype")
-        dtype = DTYPES[dtypes.pop()]
-        cast = await self._on_thread(_cast, converted, dtype)
+        kinds = {(s.dtype, s.weight_format) for s in states}
+        if len(kinds) != 1:
+            raise ValueError(f"the engines hold different dtypes or weight formats ({', '.join(sorted(map(str, kinds)))})"
+                             "; one pusher per kind")
+        dtype_name, weight_format = kinds.pop()
+        cast = await self._on_thread(engine_weights, converted, DTYPES[dtype_name], weight_format)
         verify = cfg.verify == "always" or (cfg.verify == "first" and not self._verified_once)
         if verify and not self._verified_once:
             await self._ask_all(RandomFill(seed=cfg.verify_seed))
@@ -351,9 +357,10 @@ class WeightPusher(Actor):
     async def _move(self, version: int, converted: dict[str, torch.Tensor], cast: dict[str, torch.Tensor],
                     expected: dict[str, str] | None, probe: Probe | None = None) -> None:
         transport = self.config.transport
-        if transport == "colocated":
+        if transport == "colocated":  # as converted (the engine casts, or takes them as they are), quantized ones cast
+            handed = converted if cast.keys() == converted.keys() else cast
             for name in self.engine_names:
-                await colocated.handoff(name, converted, version, expected)
+                await colocated.handoff(name, handed, version, expected)
             return
         if transport == "disk_delta":
             await self._push_delta(version, cast, expected)
@@ -521,8 +528,15 @@ def _no_engine_left(name: str) -> ActorDeadError:
     return ActorDeadError(name, Failure(type=NO_ENGINE_LEFT, message="every engine is dead"))
 
 
-def _cast(named: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    return {name: t.detach().to(dtype).contiguous() for name, t in named.items()}
+def engine_weights(named: Mapping[str, torch.Tensor], dtype: torch.dtype,
+                   weight_format: str = "none") -> dict[str, torch.Tensor]:
+    """The weights as the engines hold them: in their dtype, and with a weight format the
+    projections quantized (from the trainer's precision, once for every engine) into the format's
+    tensors, which keep their own dtypes."""
+    if weight_format == "none":
+        return {name: t.detach().to(dtype).contiguous() for name, t in named.items()}
+    out = quant.quantize_named({n: t.detach() for n, t in named.items()}, weight_format, is_projection)
+    return {name: t.contiguous() if name not in named else t.to(dtype).contiguous() for name, t in out.items()}
 
 
 def _write_segments(segments: list[str | None], buckets: list[list[tuple[str, torch.Tensor]]]) -> None:

@@ -21,6 +21,13 @@ projections, norms), `--mib` MiB in all (256 by default, the issue's minimum). I
   as a fraction of the bf16 weights, the fraction of bf16 elements that changed, and whether the
   applied copy equals the new master cast to bf16 bit for bit (timed once: write and apply).
 
+With `--formats` (e.g. `fp8_block,mxfp8,nvfp4,int4`), each format's update as a pusher makes it
+for engines serving that format (`actors.weights.engine_weights`: the projections quantized from
+the fp32 master, the rest bf16), before and after the same AdamW step: the full push's bytes and
+the disk delta's payload, each as a fraction of the bf16 weights (the bf16 delta's reference),
+the fraction of the format's bytes that changed, and whether the applied delta gives the new
+quantized tensors bit for bit.
+
 The other figures are the median of `--reps` timed updates after one warm-up (`reps_s` lists
 them). Targets (the issue's), in `meets_targets`: shm >= 50% of copy_'s GB/s, broadcast >= 60%
 of the raw gloo broadcast's, disk-delta payload <= 2%, each also bit-exact;
@@ -29,6 +36,7 @@ one JSON object on stdout; progress goes to stderr.
 
     miles-async bench weights --json
     miles-async bench weights --json --mib 16 --reps 1
+    miles-async bench weights --json --formats fp8_block,mxfp8,nvfp4,int4
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import torch
 from miles_async.bench._stats import median
 from miles_async.bench.weights_peers import gloo_pair, model_weights
 from miles_async.engine.weights import WeightStore
+from miles_async.kernels.quant import FORMATS
 from miles_async.transport import colocated
 from miles_async.transport.disk_delta import apply_delta, write_delta
 from miles_async.transport.shm import SharedWeights
@@ -221,7 +230,40 @@ def _disk_delta(weights: dict[str, torch.Tensor], folder: str) -> dict:
             "engine_dtype": "bfloat16", "lr": LR, "step_s": round(step_s, 3)}
 
 
-def measure(mib: int, bucket_mib: int, reps: int) -> dict:
+@torch.no_grad()
+def _format_deltas(weights: dict[str, torch.Tensor], formats: list[str], folder: str) -> dict:
+    """Per format: the quantized push and its disk delta across one AdamW step (module docstring)."""
+    from miles_async.actors.weights import engine_weights
+
+    bf16_bytes = sum(t.numel() * 2 for t in weights.values())
+    master = {name: t.clone() for name, t in weights.items()}
+    adamw_step(master, LR, seed=1)
+    out = {}
+    for fmt in formats:
+        old = engine_weights(weights, torch.bfloat16, fmt)
+        new = engine_weights(master, torch.bfloat16, fmt)
+        push_bytes = sum(t.numel() * t.element_size() for t in new.values())
+        t0 = time.perf_counter()
+        stats = write_delta(os.path.join(folder, fmt), old, new, old_version=0, new_version=1)
+        write_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        apply_delta(stats.folder, old, engine_version=0)
+        apply_s = time.perf_counter() - t0
+        changed = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
+                      for a, b in zip(engine_weights(weights, torch.bfloat16, fmt).values(), new.values()))
+        exact = checksums(old) == checksums(new)
+        out[fmt] = {"push_bytes": push_bytes, "push_fraction": round(push_bytes / bf16_bytes, 5),
+                    "delta_payload_bytes": stats.payload_bytes,
+                    "delta_payload_fraction": round(stats.payload_bytes / bf16_bytes, 5),
+                    "changed_byte_fraction": round(changed / push_bytes, 5), "write_s": round(write_s, 3),
+                    "apply_s": round(apply_s, 3), "bit_exact": exact}
+        _progress(f"{fmt}: push {push_bytes / bf16_bytes:.4f} of the bf16 weights, delta "
+                  f"{stats.payload_bytes / bf16_bytes:.5f}, {changed / push_bytes:.4f} of its bytes changed "
+                  f"(exact: {exact})")
+    return out
+
+
+def measure(mib: int, bucket_mib: int, reps: int, formats: list[str] | None = None) -> dict:
     shapes = transformer_shapes(mib)
     weights = model_weights(shapes, seed=0)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
@@ -239,6 +281,8 @@ def measure(mib: int, bucket_mib: int, reps: int) -> dict:
     _progress(f"broadcast: {median(pair['ours_s']):.4f} s, raw {median(pair['raw_s']):.4f} s per update")
     with tempfile.TemporaryDirectory(prefix="bench-weights-") as folder:
         result["disk_delta"] = _disk_delta(weights, folder)
+        if formats:
+            result["formats"] = _format_deltas(weights, formats, folder)
     result["ratios"] = _ratios(result)
     result["meets_targets"] = _meets_targets(result)
     return result
@@ -267,10 +311,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=256, help="fp32 weight MiB (the issue asks for >= 256)")
     parser.add_argument("--bucket-mib", type=int, default=64, help="broadcast bucket size")
     parser.add_argument("--reps", type=int, default=9, help="timed updates per transport (after one warm-up)")
+    parser.add_argument("--formats", default="", help="comma-separated quantized formats whose pushes and deltas "
+                        "to measure too (fp8_block, mxfp8, nvfp4, int4)")
     args = parser.parse_args(argv)
     if args.reps < 1 or args.bucket_mib < 1:
         parser.error("--reps and --bucket-mib must be >= 1")
-    result = measure(args.mib, args.bucket_mib, args.reps)
+    formats = [f for f in args.formats.split(",") if f]
+    if unknown := [f for f in formats if f not in FORMATS]:
+        parser.error(f"--formats: unknown {', '.join(unknown)}; give any of {', '.join(FORMATS)}")
+    result = measure(args.mib, args.bucket_mib, args.reps, formats)
     print(json.dumps(result, indent=None if args.json else 1))
     return 0
 

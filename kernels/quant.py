@@ -28,18 +28,25 @@ here), and values beyond a format's largest saturate to it (an E4M3 element to +
 NaN stays NaN where the format has one (E4M3, E8M0); E2M1 and INT4 have none. Packing: element
 2i in the low nibble of byte i, 2i + 1 in the high one (a row of odd length gets a zero pad).
 
+A quantized weight travels (weight pushes) and is held (an engine serving the format) as plain
+named tensors, compressed-tensors' names under its module: `<module>.weight_packed` (the values'
+bytes, uint8), `<module>.weight_scale` (float32, or the E8M0 / E4M3 bytes as uint8) and, for
+nvfp4, `<module>.weight_global_scale` (float32 [1]): `to_named` / `from_named`, and
+`quantize_named` for a whole set of weights. Every transport moves them as it moves any tensor.
+
 `QTensor.nbytes` is the payload: values, scales and the per-tensor scale. Try it:
     q = quantize(torch.randn(256, 512), "nvfp4"); q.nbytes / (256 * 512 * 4)   # ~0.141
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 __all__ = ["FORMATS", "QTensor", "dequantize", "e2m1_decode", "e2m1_encode", "e4m3", "fake_quant", "fp8_linear",
-           "quantize"]
+           "from_named", "quantize", "quantize_named", "to_named"]
 
 FORMATS = ("fp8_block", "mxfp8", "nvfp4", "int4")
 E4M3_MAX = 448.0
@@ -49,6 +56,7 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; bit 3 is t
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 E8M0_NAN = 255
 BLOCKS = {"mxfp8": 32, "nvfp4": 16, "int4": 128, "fp8_block": 128}
+PACKED, SCALE, GLOBAL_SCALE = "weight_packed", "weight_scale", "weight_global_scale"
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,16 @@ class QTensor:
         extra = self.tensor_scale.numel() * 4 if self.tensor_scale is not None else 0
         return (self.values.numel() * self.values.element_size() + self.scales.numel() * self.scales.element_size()
                 + extra)
+
+    def rows(self, start: int, stop: int) -> QTensor:
+        """Rows start:stop of a 2-D quantized tensor, without dequantizing (start a multiple of the
+        block's rows: 128 for fp8_block weights, any row otherwise)."""
+        if len(self.shape) != 2 or start % self.block[0] or not 0 <= start < stop <= self.shape[0]:
+            raise ValueError(f"rows {start}:{stop} of a {self.fmt} tensor of shape {self.shape} (blocks of "
+                             f"{self.block[0]} rows): give a 2-D tensor and a start on a block boundary")
+        br = self.block[0]
+        return QTensor(self.fmt, (stop - start, self.shape[1]), self.dtype, self.values[start:stop],
+                       self.scales[start // br:-(-stop // br)], self.block, self.tensor_scale)
 
 
 def e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -206,6 +224,44 @@ def fake_quant(x: torch.Tensor, fmt: str, *, kind: str = "weight") -> torch.Tens
     """dequantize(quantize(x)) in the forward pass, the straight-through gradient (identity) in the
     backward: quantization-aware training trains the weights the quantized copy will serve."""
     return _FakeQuant.apply(x, fmt, kind)
+
+
+# ----- named tensors: how a quantized weight travels and is held -----
+
+def to_named(module: str, q: QTensor) -> dict[str, torch.Tensor]:
+    """`q` as plain tensors named under `module` (module docstring): uint8 value bytes, the scales
+    (float32, or their bytes as uint8), and nvfp4's float32 global scale."""
+    scales = q.scales.view(torch.uint8) if q.scales.dtype == torch.float8_e4m3fn else q.scales
+    named = {f"{module}.{PACKED}": q.values.view(torch.uint8), f"{module}.{SCALE}": scales}
+    if q.tensor_scale is not None:
+        named[f"{module}.{GLOBAL_SCALE}"] = q.tensor_scale
+    return named
+
+
+def from_named(fmt: str, shape: tuple[int, ...], dtype: torch.dtype, packed: torch.Tensor, scale: torch.Tensor,
+               global_scale: torch.Tensor | None = None) -> QTensor:
+    """The QTensor that `to_named` split up (no copy), for a weight of `shape` and `dtype`."""
+    if fmt not in FORMATS:
+        raise ValueError(f"quantization format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    fp8 = fmt in ("fp8_block", "mxfp8")
+    block = (128, 128) if fmt == "fp8_block" and len(shape) == 2 else (1, BLOCKS[fmt])
+    values = packed.view(torch.float8_e4m3fn) if fp8 else packed
+    scales = scale.view(torch.float8_e4m3fn) if fmt == "nvfp4" else scale
+    return QTensor(fmt, tuple(shape), dtype, values, scales, block, global_scale if fmt == "nvfp4" else None)
+
+
+def quantize_named(named: Mapping[str, torch.Tensor], fmt: str,
+                   quantized: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """`named` with every 2-D `<module>.weight` for which `quantized(module)` holds replaced by its
+    format-`fmt` tensors (`to_named`), quantized from the tensor as given; the rest as they are."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in named.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and tensor.dim() == 2 and quantized(module):
+            out.update(to_named(module, quantize(tensor, fmt)))
+        else:
+            out[name] = tensor
+    return out
 
 
 # ----- helpers -----

@@ -160,11 +160,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # base and serves base + adapter merged into each layer's weight (made again before the first
     # step after every update), so decoding runs one matmul per layer as without adapters.
     lora: LoraConfig = LoraConfig()
-    # Serve the attention and MLP projections as a quantized format holds them (kernels/quant.py:
-    # "fp8_block", "mxfp8", "nvfp4", "int4"), emulated on CPU: each weight quantized and
-    # dequantized in blocks after every update, the pushed weights kept as they are; "none" serves
-    # them as pushed.
+    # Hold and serve the attention and MLP projections in a quantized format (kernels/quant.py:
+    # "fp8_block", "mxfp8", "nvfp4", "int4"): the engine keeps only the format's tensors
+    # (CausalLM.hold_quantized), which are what weight updates carry (a pusher quantizes once, on
+    # the trainer's side; a full-precision weight that arrives is quantized on arrival). The
+    # matmuls are emulated on CPU, in the engine's dtype, from the dequantized values. "none":
+    # full precision, as pushed.
     weight_format: Literal["none", "fp8_block", "mxfp8", "nvfp4", "int4"] = "none"
+    # With a weight_format, where the full-precision values come from: "per_update" dequantizes
+    # every layer once after each update and keeps that copy (the fast path; the dense weights'
+    # memory on top of the format's), "blocks" keeps the format's tensors alone and dequantizes a
+    # block of rows at a time inside every forward (the format's memory; slower on CPU).
+    dequantize: Literal["per_update", "blocks"] = "per_update"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_running_requests", "max_waiting_requests", "max_prefill_tokens"):
@@ -176,6 +183,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"EngineConfig.device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}")
         if self.shared_weights and self.device not in ("cpu", "auto"):
             raise ValueError(_shared_on_device(self.device))
+        if self.dequantize not in ("per_update", "blocks"):
+            raise ValueError(f"EngineConfig.dequantize must be 'per_update' or 'blocks', got {self.dequantize!r}")
+        if self.weight_format != "none" and self.lora.enabled:
+            raise ValueError(f"EngineConfig.weight_format = {self.weight_format!r} with LoRA is not supported: the "
+                             "engine merges the adapters into a full-precision base; set one or the other")
 
 
 def _shared_on_device(device: str) -> str:
@@ -290,9 +302,16 @@ class Engine:
         self._lora = config.lora.enabled
         if self._lora:  # the adapters (B = 0: the base as it is) are what updates write
             compute.run_sync(add_lora, model, config.lora)
+        self._weight_format = "" if config.weight_format == "none" else config.weight_format
+        if self._weight_format:  # the projections held as the format's tensors: what updates write
+            if not hasattr(model, "hold_quantized"):
+                raise ValueError(f"EngineConfig.weight_format = {config.weight_format!r} needs a model with "
+                                 f"hold_quantized (miles_async.models.CausalLM), got {type(model).__name__}")
+            compute.run_sync(model.hold_quantized, self._weight_format)
         self.weights = WeightStore(model, double_buffer=config.double_buffer, shared=config.shared_weights,
                                    version=parse_version(weight_version, -1)[0], label=weight_version,
-                                   names=list(lora_state(model)) if self._lora else None)
+                                   names=list(lora_state(model)) if self._lora else None,
+                                   weight_format=self._weight_format)
         mc = model.config
         self.vocab_size = _config_int(mc, "vocab_size")
         num_heads = _config_int(mc, "num_attention_heads")
@@ -332,16 +351,16 @@ class Engine:
         self._counters = collections.Counter()
         # Prepacked weights (EngineConfig.prepack_weights): made on the compute thread before the
         # first step after any change of the weights (`_weights_epoch` counts the changes).
+        # (not from a weight_format's blocks: no dense weight exists to prepack)
         self._prepack = (config.prepack_weights and not config.batch_invariant and hasattr(model, "prepack_weights")
+                         and not (self._weight_format and config.dequantize == "blocks")
                          and compute.run_sync(onednn.supported, kv_dtype, self.device))
         self._weights_epoch = 0
         self._prepacked_epoch = -1
         self._merged_epoch = -1  # LoRA: the weights epoch whose adapters are merged in
-        self._weight_format = "" if config.weight_format == "none" else config.weight_format
-        if self._weight_format and not hasattr(model, "quantize_served"):
-            raise ValueError(f"EngineConfig.weight_format = {config.weight_format!r} needs a model with quantize_served "
-                             f"(miles_async.models.CausalLM), got {type(model).__name__}")
-        self._served_epoch = -1  # the weights epoch served quantized (with a weight_format)
+        # weight_format "per_update": the weights epoch whose dequantized copy the layers hold
+        self._dequantize_per_update = bool(self._weight_format) and config.dequantize == "per_update"
+        self._served_epoch = -1
         self._fused = (config.fused_cpu_kernels and not config.batch_invariant and hasattr(model, "use_cpu_kernels")
                        and compute.run_sync(cpu_kernels.supports, kv_dtype, self.device))
         if self._fused:
@@ -577,8 +596,8 @@ class Engine:
                 await compute.run(self.weights.release)
                 if self._prepack:
                     await compute.run(self.model.prepack_weights, False)
-                if self._weight_format:
-                    await compute.run(self.model.quantize_served, "")
+                if self._dequantize_per_update:
+                    await compute.run(self.model.dequantize_served, False)
                 self._prepacked_epoch = self._served_epoch = -1
             if "kv_cache" in wanted:
                 self._cache_epoch += 1
@@ -866,8 +885,8 @@ class Engine:
         if self._lora and self._merged_epoch != self._weights_epoch:  # new adapters: into the weights
             merge_lora(self.model)
             self._merged_epoch = self._weights_epoch
-        if self._weight_format and self._served_epoch != self._weights_epoch:  # new weights: served as the format holds
-            self.model.quantize_served(self._weight_format)
+        if self._dequantize_per_update and self._served_epoch != self._weights_epoch:  # new weights: dequantized once
+            self.model.dequantize_served()
             self._served_epoch = self._weights_epoch
         if self._prepack and self._prepacked_epoch != self._weights_epoch:
             self.model.prepack_weights()

@@ -34,7 +34,11 @@ Devices: the store's tensors are the model's, on the engine's device; `write` co
 tensors from anywhere, the CPU included, into them. Shared-memory stores are CPU only.
 
 Which weights (`names`): by default every weight of the model; with LoRA the adapters alone (an
-update writes them, the engine merges them into its copy of the base; engine/core.py).
+update writes them, the engine merges them into its copy of the base; engine/core.py). A model
+holding its projections in a quantized format (`weight_format`, `CausalLM.hold_quantized`) has
+the format's tensors in their place (`<module>.weight_packed`, ...), which a pusher sends
+quantized; a full-precision `<module>.weight` that arrives instead (a checkpoint, tensors from a
+client) is quantized on arrival.
 
 Releasing (`release`, SGLang's /release_memory_occupation): every tensor is replaced by an empty
 one, its memory given back, its content gone; `reclaim` allocates them again (zeros). The engine
@@ -98,8 +102,10 @@ class WeightStore:
     the engine calls it between steps (under its lock), transports only write `target` tensors."""
 
     def __init__(self, model: torch.nn.Module, *, double_buffer: bool = False, shared: bool = False,
-                 version: int = 0, label: str | None = None, names: list[str] | None = None) -> None:
+                 version: int = 0, label: str | None = None, names: list[str] | None = None,
+                 weight_format: str = "") -> None:
         self.params, self.aliases = unique_weights(model)
+        self.weight_format = weight_format
         if names is not None:  # the weights updates write (LoRA: the adapters); the rest stays as loaded
             self.params = {name: self.params[name] for name in names}
             self.aliases = {}
@@ -385,10 +391,11 @@ class WeightStore:
             param.data = tensors[name]
 
     def check(self, items: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """Map aliases to their tensor's name (dropping repeats) and check every name and shape."""
+        """Map aliases to their tensor's name (dropping repeats), quantize a full-precision weight
+        the store holds in its `weight_format`, and check every name and shape."""
         resolved = []
         seen: set[str] = set()
-        for name, tensor in items:
+        for name, tensor in self._quantized(items):
             name = self.aliases.get(name, name)
             if name in seen:
                 continue  # a tied weight sent under both its names: one copy is enough
@@ -400,6 +407,15 @@ class WeightStore:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(old.shape)}")
             resolved.append((name, tensor))
         return resolved
+
+    def _quantized(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        for name, tensor in items:
+            if self.weight_format and name not in self.live and f"{name}_packed" in self.live:
+                from miles_async.kernels.quant import quantize, to_named
+
+                yield from to_named(name.removesuffix(".weight"), quantize(tensor, self.weight_format)).items()
+            else:
+                yield name, tensor
 
     def _incomplete(self) -> str | None:
         """Why the target does not hold a whole version, as far as the store can tell; None if it does."""

@@ -25,7 +25,7 @@ from miles_async.models.loading import load_pretrained, read_state_dict, save_pr
 from miles_async.models.random_init import PRESETS, init_model
 from miles_async.models.smollm2 import SmolLM2Unavailable, smollm2_checkpoint
 from miles_async.models.tokenizer import Tokenizer, build_tokenizer, load_tokenizer
-from miles_async.models.transformer import CausalLM
+from miles_async.models.transformer import CausalLM, is_projection
 
 __all__ = [
     "FAMILIES",
@@ -39,6 +39,7 @@ __all__ = [
     "Tokenizer",
     "build_tokenizer",
     "init_model",
+    "is_projection",
     "load_pretrained",
     "load_tokenizer",
     "read_state_dict",

@@ -27,6 +27,8 @@ from miles_async.kernels import batch_invariant, cpu_kernels, onednn, quant
 from miles_async.models.attention import AttentionBackend, DenseCausalAttention
 from miles_async.models.config import ModelConfig
 from miles_async.models.lora import DEFAULT_TARGETS, lora_delta
+
+_DEQUANT_BLOCK_BYTES = 4 << 20  # Linear._dequantizing: the most full-precision weight made at once
 from miles_async.models.rope import Rotary, apply_rotary
 
 
@@ -40,14 +42,20 @@ class Linear(nn.Linear):
     lora_rank = 0  # set per module by add_lora; 0: no adapter
     lora_base: torch.Tensor | None = None  # set by merge_lora: the weight holds base + the adapter's delta
     fake_quant = ""  # set by CausalLM.set_fake_quant: the trainer's quantization-aware format
-    served: torch.Tensor | None = None  # set by CausalLM.quantize_served: the weight as a quantized format holds it
+    # set by CausalLM.hold_quantized: the weight is held only as this format's tensors
+    # (weight_packed, weight_scale[, weight_global_scale]: kernels.quant.to_named), of dtype qdtype
+    qformat = ""
+    qdtype = torch.float32
+    served: torch.Tensor | None = None  # set by CausalLM.dequantize_served: the held weight, dequantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fake_quant:  # quantization-aware training: the weights (fp8: and activations) as the format holds them
             if self.fake_quant == "fp8_block":
                 return quant.fp8_linear(x, self.weight, self.bias)
             return F.linear(x, quant.fake_quant(self.weight, self.fake_quant), self.bias)
-        if self.served is not None and self.prepacked is None:  # the engine, serving a quantized format
+        if self.qformat and self.prepacked is None:  # the engine, serving a quantized format
+            if self.served is None:
+                return self._dequantizing(x)
             if self.batch_invariant:
                 return batch_invariant.linear(x, self.served, self.bias)
             return F.linear(x, self.served, self.bias)
@@ -62,6 +70,24 @@ class Linear(nn.Linear):
         if self.prepacked is not None:
             return onednn.linear(x, self.prepacked, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def quantized(self) -> quant.QTensor:
+        """The weight as held (`CausalLM.hold_quantized`), a view of the module's tensors."""
+        return quant.from_named(self.qformat, (self.out_features, self.in_features), self.qdtype,
+                                self.weight_packed, self.weight_scale, getattr(self, quant.GLOBAL_SCALE, None))
+
+    def _dequantizing(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer from its quantized weight alone: dequantize a block of output rows at a time
+        (at most ~4 MiB of them in fp32), so the full-precision weight never exists whole."""
+        q = self.quantized()
+        step = max(q.block[0], (_DEQUANT_BLOCK_BYTES // (4 * self.in_features)) // q.block[0] * q.block[0])
+        outs = []
+        for start in range(0, self.out_features, step):
+            stop = min(start + step, self.out_features)
+            weight = quant.dequantize(q.rows(start, stop)).to(x.dtype)
+            bias = None if self.bias is None else self.bias[start:stop]
+            outs.append(batch_invariant.linear(x, weight, bias) if self.batch_invariant else F.linear(x, weight, bias))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -308,7 +334,7 @@ class CausalLM(nn.Module):
             with torch.no_grad():
                 stacked = torch.cat([_serving(layer) for layer in layers])
                 bias = None if all(layer.bias is None for layer in layers) else torch.cat([
-                    layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features)
+                    layer.bias if layer.bias is not None else _serving(layer).new_zeros(layer.out_features)
                     for layer in layers])
             return onednn.prepack(stacked), bias
 
@@ -348,16 +374,36 @@ class CausalLM(nn.Module):
         for module in _projections(self):
             module.fake_quant = fmt
 
-    def quantize_served(self, fmt: str) -> int:
-        """Serve the attention and MLP projections' weights as format `fmt` holds them (the engine's
-        `weight_format`, emulated: each weight quantized then dequantized in blocks, made again after
-        every update; the weights themselves stay as pushed); "" serves them as they are. The number
-        of layers served quantized."""
-        layers = _projections(self)
+    def hold_quantized(self, fmt: str) -> int:
+        """Hold the attention and MLP projections' weights as format `fmt` does (the engine's
+        `weight_format`): each `weight` parameter is quantized and replaced by the format's tensors
+        (`kernels.quant.to_named`: `weight_packed`, `weight_scale`[, `weight_global_scale`]), which
+        are then what a weight update writes. The layers dequantize a block of rows at a time in
+        every forward, or use the copy `dequantize_served` makes. Embeddings, norms and the output
+        projection stay as they are. Inference only; returns the number of layers quantized."""
+        if fmt not in quant.FORMATS:
+            raise ValueError(f"weight format must be one of {', '.join(quant.FORMATS)}, got {fmt!r}")
+        layers = [m for m in _projections(self) if not m.qformat]
         with torch.no_grad():
             for module in layers:
-                module.served = quant.dequantize(quant.quantize(module.weight, fmt)) if fmt else None
-        return len(layers) if fmt else 0
+                if module.lora_rank:
+                    raise ValueError("a model with LoRA adapters cannot hold quantized weights (its base is merged "
+                                     "with the adapters in full precision)")
+                weight = module.weight
+                del module.weight
+                for name, tensor in quant.to_named("", quant.quantize(weight, fmt)).items():
+                    module.register_buffer(name.lstrip("."), tensor.contiguous())
+                module.qformat, module.qdtype = fmt, weight.dtype
+        return len(layers)
+
+    def dequantize_served(self, enabled: bool = True) -> None:
+        """Give each layer held quantized (`hold_quantized`) a full-precision copy of its weight,
+        dequantized from what it holds now (faster forwards, the dense weight's memory back), or
+        drop the copies (`enabled=False`): made again after every change of the weights."""
+        with torch.no_grad():
+            for module in _projections(self):
+                if module.qformat:
+                    module.served = quant.dequantize(module.quantized()) if enabled else None
 
     def set_batch_invariant(self, enabled: bool = True) -> None:
         """Switch true on-policy mode on or off (module flags only; weights untouched)."""
@@ -424,14 +470,20 @@ class CausalLM(nn.Module):
                 )
 
 
+def is_projection(module: str) -> bool:
+    """Whether the module named `module` (e.g. "model.layers.0.mlp.up_proj") is an attention or MLP
+    projection: LoRA's default targets, and the layers a quantized format covers."""
+    return module.rsplit(".", 1)[-1] in DEFAULT_TARGETS
+
+
 def _projections(model: nn.Module) -> list[Linear]:
-    """The attention and MLP projections (LoRA's default targets; quantized formats cover these,
-    embeddings and lm_head stay)."""
-    return [m for name, m in model.named_modules()
-            if isinstance(m, Linear) and name.rsplit(".", 1)[-1] in DEFAULT_TARGETS]
+    return [m for name, m in model.named_modules() if isinstance(m, Linear) and is_projection(name)]
 
 
 def _serving(layer: nn.Linear) -> torch.Tensor:
-    """The weight a layer serves: its quantized form when the engine serves a format, else itself."""
-    served = getattr(layer, "served", None)
-    return layer.weight if served is None else served
+    """The weight a layer serves: the dequantized copy of a layer held quantized, else its weight."""
+    if getattr(layer, "qformat", ""):
+        if layer.served is None:
+            raise ValueError("a layer held quantized has no dense weight to prepack: call dequantize_served() first")
+        return layer.served
+    return layer.weight

@@ -33,7 +33,6 @@ Try it:
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import Literal
 

@@ -11,7 +11,7 @@ import asyncio
 import os
 import signal
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
@@ -157,6 +157,46 @@ def test_every_transport_delivers_verified_versions_to_engines_in_other_processe
                     await system.stop(pusher)
             with pytest.raises(RemoteError, match="not newer than the engine's"):
                 await pusher.ask(PushWeights(version=version - 1), timeout_s=ASK_S)
+
+    scenario(main, TIMEOUT_S)
+
+
+def test_a_quantized_engine_gets_its_format_from_the_pusher_over_every_transport(dirs, tmp_path):
+    """An engine serving int4 holds the format's tensors alone; the pusher quantizes each version
+    once (from the trainer's fp32) and every transport moves those tensors: a push is the format's
+    bytes, the random-fill check and the checksums pass, and the engine answers as an engine that
+    loaded the version itself and quantized it."""
+    paths = [str(d) for d in dirs]
+
+    async def main() -> None:
+        async with ActorSystem(config=config("ipc")) as system:
+            refs = [await system.spawn(EngineActor, f"ref{i}", args=(d, engine_config(weight_format="int4")))
+                    for i, d in enumerate(paths)]
+            expected = [(await greedy(ref))[0] for ref in refs]
+            quantized_bytes = (await refs[0].ask(EngineStatus(), timeout_s=ASK_S)).num_bytes
+            for ref in refs:
+                await system.stop(ref)
+            engine = await system.spawn(EngineActor, "engine", process=True, args=(paths[0], engine_config(
+                weight_format="int4", dequantize="blocks", shared_weights=True, double_buffer=True)))
+            state = await engine.ask(EngineStatus(), timeout_s=ASK_S)
+            assert state.weight_format == "int4" and state.num_bytes == quantized_bytes
+            assert await greedy(engine) == (expected[0], 0)
+            full_bytes = sum(t.numel() * t.element_size() for t in weights_of(dirs[0]).values())
+            assert quantized_bytes < full_bytes / 2
+            version = 0
+            for transport, index in (("shm", 1), ("broadcast", 2), ("stream", 3), ("disk_delta", 1),
+                                     ("disk_delta", 2)):
+                cfg = WeightSyncConfig(family="qwen3", transport=transport, verify="always", bucket_mib=0.05,
+                                       delta_dir=str(tmp_path / "deltas"), timeout_s=ASK_S)
+                pusher = await system.spawn(TestPusher, f"pusher-{transport}-{version}",
+                                            args=([engine.name], cfg, Source(paths)))
+                await pusher.ask(Pick(index=index), timeout_s=ASK_S)
+                version += 1
+                report = await pusher.ask(PushWeights(version=version), timeout_s=ASK_S)
+                assert report.verified and report.num_bytes == quantized_bytes, transport
+                assert await greedy(engine) == (expected[index], version), (transport, index)
+                if transport != "disk_delta":
+                    await system.stop(pusher)
 
     scenario(main, TIMEOUT_S)
 

@@ -10,7 +10,7 @@ import sys
 def test_bench_weights_prints_one_json_object_with_ratios():
     done = subprocess.run(
         [sys.executable, "-m", "miles_async.launch.cli", "bench", "weights", "--json", "--mib", "16", "--reps", "1",
-         "--bucket-mib", "4"],
+         "--bucket-mib", "4", "--formats", "nvfp4,int4"],
         capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
@@ -30,4 +30,7 @@ def test_bench_weights_prints_one_json_object_with_ratios():
                            "targets"}
     assert set(result["meets_targets"]) == {"shm", "broadcast", "disk_delta", "all"}
     assert all(isinstance(v, bool) for v in result["meets_targets"].values())
+    for fmt in ("nvfp4", "int4"):  # quantized pushes: smaller than bf16, their deltas smaller still, exact
+        figures = result["formats"][fmt]
+        assert 0 < figures["delta_payload_fraction"] < figures["push_fraction"] < 0.5 and figures["bit_exact"], fmt
     assert "[bench weights] broadcast:" in done.stderr and "[bench weights] colocated:" in done.stderr

@@ -201,13 +201,19 @@ def test_a_model_trains_for_and_an_engine_serves_a_quantized_format(tmp_path) ->
         base = logprobs(plain)
     for fmt in ("fp8_block", "mxfp8", "nvfp4", "int4"):
         served = load_pretrained(folder)
-        assert served.quantize_served(fmt) == 7 * served.config.num_hidden_layers
+        dense_bytes = sum(t.numel() * t.element_size() for t in served.state_dict().values())
+        assert served.hold_quantized(fmt) == 7 * served.config.num_hidden_layers
+        held = served.state_dict()
+        assert not any(n.endswith("q_proj.weight") for n in held) and "model.layers.0.mlp.up_proj.weight_packed" in held
+        assert sum(t.numel() * t.element_size() for t in held.values()) < dense_bytes
         with torch.no_grad():
-            want = logprobs(served)
+            want = logprobs(served)  # dequantized a block of rows at a time
+            served.dequantize_served()
+            torch.testing.assert_close(logprobs(served), want, rtol=0, atol=1e-6)  # the per-update copy
         assert (want - base).abs().mean() > 1e-3  # the format changes the model
-        for batch_invariant in (False, True):
+        for batch_invariant, dequant in ((False, "per_update"), (True, "per_update"), (False, "blocks")):
             engine = Engine.from_pretrained(str(folder), config=EngineConfig(
-                kv_cache_mib=4, weight_format=fmt, batch_invariant=batch_invariant))
+                kv_cache_mib=4, weight_format=fmt, batch_invariant=batch_invariant, dequantize=dequant))
 
             async def score(engine=engine):
                 async with engine:
@@ -217,7 +223,7 @@ def test_a_model_trains_for_and_an_engine_serves_a_quantized_format(tmp_path) ->
                 return torch.tensor([lp for lp, _ in out.input_token_logprobs[1:]])
 
             got = asyncio.run(asyncio.wait_for(score(), 60))
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=f"{fmt} batch_invariant={batch_invariant}")
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=f"{fmt} {dequant} bi={batch_invariant}")
         if fmt == "int4":  # quantization-aware training: the trainer's forward is the served model's
             trained = load_pretrained(folder)
             trained.set_fake_quant("int4")
@@ -228,3 +234,54 @@ def test_a_model_trains_for_and_an_engine_serves_a_quantized_format(tmp_path) ->
                        if n.endswith("q_proj"))
     with pytest.raises(ValueError, match="fake quantization trains for"):
         plain.set_fake_quant("nvfp4")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_named_tensors_carry_a_format_and_rows_slice_it(fmt: str) -> None:
+    from miles_async.kernels.quant import from_named, quantize_named, to_named
+
+    x = torch.randn(300, 200, generator=torch.Generator().manual_seed(1))
+    q = quantize(x, fmt)
+    named = to_named("model.layers.0.mlp.up_proj", q)
+    assert all(t.dtype in (torch.uint8, torch.float32) for t in named.values())  # any transport moves these
+    assert sum(t.numel() * t.element_size() for t in named.values()) == q.nbytes
+    back = from_named(fmt, (300, 200), torch.float32, *(named[f"model.layers.0.mlp.up_proj.{leaf}"] for leaf in (
+        "weight_packed", "weight_scale", "weight_global_scale") if f"model.layers.0.mlp.up_proj.{leaf}" in named))
+    torch.testing.assert_close(dequantize(back), dequantize(q), rtol=0, atol=0)
+    for start, stop in ((0, 128), (128, 300), (256, 257)):
+        torch.testing.assert_close(dequantize(q.rows(start, stop)), dequantize(q)[start:stop], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="block boundary" if fmt == "fp8_block" else "rows"):
+        q.rows(3 if fmt == "fp8_block" else 299, 400)
+    mixed = quantize_named({"a.up_proj.weight": x, "a.up_proj.bias": x[0], "embed.weight": x}, fmt,
+                           lambda module: module.endswith("_proj"))
+    assert "a.up_proj.weight" not in mixed and mixed["a.up_proj.bias"] is not None and mixed["embed.weight"] is x
+    assert set(mixed) >= {"a.up_proj.weight_packed", "a.up_proj.weight_scale"}
+
+
+def test_a_quantized_engine_quantizes_full_precision_weights_on_arrival(tmp_path) -> None:
+    """A checkpoint or a client's tensors arrive in full precision; the store quantizes them, so the
+    engine serves exactly what a pusher's quantized tensors would have given."""
+    import asyncio
+
+    from miles_async.engine import Engine, EngineConfig
+    from miles_async.kernels.quant import quantize_named
+    from miles_async.models import init_model, is_projection, load_pretrained
+
+    folder = init_model("qwen3", "tiny", tmp_path / "m", seed=0)
+    other = load_pretrained(init_model("qwen3", "tiny", tmp_path / "o", seed=1)).state_dict()
+    engine = Engine.from_pretrained(str(folder), config=EngineConfig(kv_cache_mib=4, weight_format="nvfp4"))
+
+    async def update() -> dict[str, str]:
+        async with engine:
+            await engine.update_weights_from_tensors(other, 1)
+            return await engine.weight_checksums()
+
+    got = asyncio.run(asyncio.wait_for(update(), 60))
+    from miles_async.transport.verify import checksums
+
+    want = checksums(quantize_named(other, "nvfp4", is_projection))
+    assert got == {name: want[name] for name in got} and len(got) < len(want)  # lm_head tied: one copy
+    with pytest.raises(ValueError, match="with LoRA is not supported"):
+        from miles_async.models.lora import LoraConfig
+
+        EngineConfig(weight_format="int4", lora=LoraConfig(rank=4))
