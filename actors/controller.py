@@ -71,6 +71,7 @@ from typing import Any
 import msgspec
 
 from miles_async.actors.buffer import Batch, BufferState, BufferStats, GetBatch
+from miles_async.actors.engine import ReleaseMemory, ResumeMemory
 from miles_async.actors.evaluation import Evaluator, as_hf_folder
 from miles_async.actors.fleet import (
     SHARED_FILE,
@@ -179,6 +180,7 @@ class _Launched:
     prompt_ids: list[int]
     train: asyncio.Future[StepMetrics]
     issued: float  # perf_counter when the step was sent
+    offload_s: tuple[float, float] = (0.0, 0.0)  # loop.offload_engines: (release before it, resume before its batch)
 
 
 class Controller:
@@ -222,6 +224,7 @@ class Controller:
         self.resume_point = self._roll_back_logs() if resume else None
         self.last_checkpoint = (0, time.monotonic())  # (RL step, when) of the latest checkpoint
         self.checkpoint_s = 0.0  # the last checkpoint's time in the loop's way, for the next row
+        self.resume_s = 0.0  # loop.offload_engines: taking the engines' memory back before the last push
         self.launched: _Launched | None = None  # a step sent to the trainer, not yet trained
         self.unrecorded: _Trained | None = None  # a step trained, not yet written down
         self.metrics = MetricsLog(self.run_dir)
@@ -404,9 +407,20 @@ class Controller:
     async def _update_engines(self, manifest: WeightManifest) -> None:
         """The background half of a step's weight update: push, then tell the scheduler the engines moved."""
         assert self.fleet.scheduler is not None
+        if self.config.loop.offload_engines:  # their memory back, just before the weights refill it
+            self.resume_s += await self._offload(ResumeMemory(tags=self._offload_tags()))
         await self._push_manifest(manifest)
         for ref in self.fleet.engines:
             await self.fleet.scheduler.tell(WeightVersionChanged(engine=ref.name, version=manifest.weight_version))
+
+    def _offload_tags(self) -> list[str]:
+        return ["kv_cache"] if self.config.trainer.lora.enabled else ["weights", "kv_cache"]
+
+    async def _offload(self, msg: ReleaseMemory | ResumeMemory) -> float:
+        """Release (or take back) every engine's memory (`loop.offload_engines`); the seconds it took."""
+        start = time.perf_counter()
+        await asyncio.gather(*(ref.ask(msg, timeout_s=ASK_S) for ref in self.fleet.engines))
+        return time.perf_counter() - start
 
     async def _settle_update(self) -> None:
         """Wait for the weight update in flight (before the next one, an eval, a checkpoint or the end)."""
@@ -424,10 +438,15 @@ class Controller:
         if batch is None:
             return None
         samples = [s for group in batch.groups for s in group.samples]
+        offload_s = (0.0, 0.0)
+        if self.config.loop.offload_engines:  # sync: nothing generates until the next push
+            await self._settle_update()
+            offload_s = (await self._offload(ReleaseMemory(tags=self._offload_tags())), self.resume_s)
+            self.resume_s = 0.0
         train = asyncio.ensure_future(self.fleet.trainer.train(samples, timeout_s=ASK_S))
         self.launched = _Launched(step=step, start_s=step_start, batch=batch, samples=samples,
                                   prompt_ids=[g.prompt_id for g in batch.groups], train=train,
-                                  issued=time.perf_counter())
+                                  issued=time.perf_counter(), offload_s=offload_s)
         return self.launched
 
     async def _rl(self, first_step: int) -> tuple[list[float], float, float]:
@@ -458,7 +477,8 @@ class Controller:
                 t1 = time.perf_counter()
                 self.version = metrics.weight_version
                 await scheduler.tell(TrainerStepped(version=self.version, prompt_ids=current.prompt_ids))
-                if not metrics.skipped:
+                # (engines that gave back their memory get the weights again even when the step made none)
+                if not metrics.skipped or cfg.loop.offload_engines:
                     manifest = await trainer.ask(self._push_export(), ASK_S)
                     await self._settle_update()  # one update at a time, in version order
                     self.update_task = asyncio.ensure_future(self._update_engines(manifest))
@@ -545,6 +565,8 @@ class Controller:
                     "teacher_busy_fraction": min(teacher_busy_s / max(step_s, 1e-9), 1.0)}
         if eval_score is not None:
             row["eval_score"] = eval_score
+        if self.config.loop.offload_engines:  # the engines' memory: taken back before its batch, released before training
+            row["engine_resume_s"], row["engine_release_s"] = current.offload_s[1], current.offload_s[0]
         if self.checkpoint_s:  # a checkpoint was taken before this step: its time in the loop's way
             row["checkpoint_s"], self.checkpoint_s = self.checkpoint_s, 0.0
         if self.task.multi_turn:  # how much of every turn's prompt the engines' prefix caches held

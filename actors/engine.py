@@ -101,6 +101,23 @@ class ResumeEngine(Message[EngineState], frozen=True):
     """Resume generation after a pause."""
 
 
+class ReleaseMemory(Message[EngineState], frozen=True):
+    """Give back the weights' and/or the KV cache's memory (`tags`: "weights", "kv_cache"; None:
+    both) while a colocated trainer uses the machine: generation is paused first (mode "abort":
+    what is in flight is aborted) and stays paused; requests that arrive meanwhile queue. The
+    released weights come back only with a push (`ResumeMemory`, then any transport: the same
+    version may be pushed again), whose resume lets generation go on."""
+
+    tags: list[str] | None = None
+
+
+class ResumeMemory(Message[EngineState], frozen=True):
+    """Allocate again what `ReleaseMemory` gave back (the KV cache empty, the weights zeros until
+    pushed); generation stays paused until the push's resume."""
+
+    tags: list[str] | None = None
+
+
 class BeginUpdate(Message[EngineState], frozen=True):
     version: int
     lease_s: float = 300.0  # abort the update if no CommitUpdate arrives in time
@@ -273,6 +290,17 @@ class EngineActor(Actor):
     @handler
     async def resume(self, msg: ResumeEngine) -> EngineState:
         await self.engine.resume()
+        return self.state()
+
+    @handler
+    async def release_memory(self, msg: ReleaseMemory) -> EngineState:
+        await self.engine.pause("abort")
+        await self.engine.release_memory_occupation(msg.tags)
+        return self.state()
+
+    @handler
+    async def resume_memory(self, msg: ResumeMemory) -> EngineState:
+        await self.engine.resume_memory_occupation(msg.tags)
         return self.state()
 
     # ----- the update protocol -----

@@ -533,12 +533,13 @@ class Fleet:
 def resolve_transport(config: RunConfig) -> str:
     """`weights.transport`, "auto" resolved: "disk" for external engines (they reload files), "shm"
     for embedded engines all on node 0 with their weights in host memory, "stream" when some are
-    elsewhere or on a GPU (or may be: device "auto"), which shared memory cannot reach."""
+    elsewhere or on a GPU (or may be: device "auto"), which shared memory cannot reach, or when the
+    engines release their memory each step (`loop.offload_engines`: a segment cannot be released)."""
     if config.weights.transport != "auto":
         return config.weights.transport
     if config.rollout.backend != "embedded":
         return "disk"
-    on_host = config.rollout.engine.device == "cpu"
+    on_host = config.rollout.engine.device == "cpu" and not config.loop.offload_engines
     return "stream" if any(n != 0 for n in config.placement.engines) or not on_host else "shm"
 
 

@@ -120,8 +120,17 @@ class LoopConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     checkpoint_every_s: float = 120.0  # by default at most about two minutes of work is lost to a crash
     keep_checkpoints: int = 3
     seed: int = 0
+    # Colocated runs (the engines share the machine with the trainer): each step, once its batch
+    # is in, the engines give back their weights' and KV cache's memory (`ReleaseMemory`: SGLang's
+    # /release_memory_occupation) while the trainer trains, and take it back just before the new
+    # weights are pushed. Sync mode only (nothing generates meanwhile), embedded engines; a LoRA
+    # run releases the KV cache alone (its base is never pushed again).
+    offload_engines: bool = False
 
     def __post_init__(self) -> None:
+        if self.offload_engines and self.mode != "sync":
+            raise ValueError(f'loop.offload_engines releases the engines\' memory while the trainer trains, when '
+                             f'nothing generates: it needs loop.mode = "sync", got {self.mode!r}')
         if self.num_steps < 0 or self.batch_groups < 1 or self.max_staleness < 0 or self.checkpoint_every < 0:
             raise ValueError(f"loop.num_steps, max_staleness and checkpoint_every must be >= 0 and batch_groups >= 1, "
                              f"got {self.num_steps}, {self.max_staleness}, {self.checkpoint_every} and "
@@ -183,6 +192,11 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise ValueError('weights.transport = "colocated" hands the weights over inside one process, but a run '
                              "puts every engine in a process of its own: use \"shm\" (the engines' weights in shared "
                              'memory, on one node), "broadcast" or "stream"')
+        if self.loop.offload_engines and (backend != "embedded" or transport == "shm"):
+            raise ValueError("loop.offload_engines releases our embedded engines' memory, pushed again over a "
+                             f"transport that can refill it: rollout.backend is {backend!r} (use \"embedded\") and "
+                             f"weights.transport {transport!r} (shared memory cannot be released: use \"auto\", "
+                             "\"stream\", \"broadcast\" or \"disk_delta\")")
         remote_engines = any(n != 0 for n in self.placement.engines)
         if remote_engines and self.weights.transport == "shm":  # "auto" picks "stream" there
             raise ValueError('weights.transport = "shm" needs the engines on the controller\'s node; with '

@@ -274,7 +274,8 @@ class WeightPusher(Actor):
         converted = await self._on_thread(self._load, msg.manifest)
         states = await self._ask_all(EngineStatus())
         for state in states:  # before pausing anything; each engine checks again when the update begins
-            if state.version >= msg.version:
+            # (an engine whose weights are torn or released may get its own version again)
+            if state.version > msg.version or (state.version == msg.version and state.weights_error is None):
                 raise StaleVersionError(f"weight version {msg.version} is not newer than the engine's {state.version} "
                                         f"({state.name}); the update is rejected (push a newer version)")
         kinds = {(s.dtype, s.weight_format) for s in states}

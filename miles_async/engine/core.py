@@ -419,9 +419,11 @@ class Engine:
         """
         if self._task is None:
             raise RuntimeError("the engine is not started: use `async with engine:` or `await engine.start()`")
-        if (problem := self.weights.serving_error()) is not None:
+        # A paused engine queues the request even without weights or KV cache (a colocated run's
+        # release: the push that brings them back resumes it); otherwise it refuses at once.
+        if self._paused is None and (problem := self.weights.serving_error()) is not None:
             raise WeightsUnavailableError(problem)
-        if self.cache.released:
+        if self._paused is None and self.cache.released:
             raise WeightsUnavailableError("the KV cache was released (release_memory_occupation): "
                                           "resume_memory_occupation first")
         ids = request.input_ids

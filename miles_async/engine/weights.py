@@ -171,7 +171,9 @@ class WeightStore:
         return None
 
     def check_newer(self, version: int) -> None:
-        if version <= self.version:
+        """Refuse a version older than the engine's, or the same one while it is served (a torn or
+        released engine may get its own version again: that restores it)."""
+        if version < self.version or (version == self.version and self.serving_error() is None):
             raise StaleVersionError(f"weight version {version} is not newer than the engine's {self.version}; "
                                     "the update is rejected (push a newer version)")
 

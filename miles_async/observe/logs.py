@@ -17,7 +17,10 @@ Metrics rows are plain dicts of numbers. The controller writes these keys (the p
     response_len_mean (generated tokens per trained sample); with a distillation teacher also teacher_kl (mean per-token
     rollout log-prob - teacher log-prob over the trained tokens: the reverse KL's estimate),
     teacher_s and teacher_wait_s (the teacher's scoring requests and their queue, summed over the
-    step's samples), teacher_busy_fraction (the share of the step the teacher had work)
+    step's samples), teacher_busy_fraction (the share of the step the teacher had work); with
+    loop.offload_engines also engine_resume_s (the engines taking their memory back before the
+    push that preceded this step's batch; 0 on the first step) and engine_release_s (giving it
+    back before this step trained)
 
 `MetricsLog` also mirrors every numeric value to TensorBoard under `RUN_DIR/tensorboard/` when
 `torch.utils.tensorboard` can be used (it needs the optional `tensorboard` package); otherwise

@@ -23,6 +23,8 @@ from miles_async.actors.engine import (
     EngineStatus,
     Generate,
     GetChecksums,
+    ReleaseMemory,
+    ResumeMemory,
 )
 from miles_async.actors.trainer import ExportWeights, TrainerGroup
 from miles_async.actors.weights import PushWeights, WeightPusher, WeightSyncConfig
@@ -183,20 +185,62 @@ def test_a_quantized_engine_gets_its_format_from_the_pusher_over_every_transport
             assert await greedy(engine) == (expected[0], 0)
             full_bytes = sum(t.numel() * t.element_size() for t in weights_of(dirs[0]).values())
             assert quantized_bytes < full_bytes / 2
-            version = 0
-            for transport, index in (("shm", 1), ("broadcast", 2), ("stream", 3), ("disk_delta", 1),
-                                     ("disk_delta", 2)):
+            # the second and third disk_delta pushes are deltas between quantized versions (the first
+            # is the whole version as a file: the pusher has no base yet)
+            pushes = (("shm", 1), ("broadcast", 2), ("stream", 3), ("disk_delta", 1), ("disk_delta", 2),
+                      ("disk_delta", 3))
+            pushers: dict[str, Any] = {}
+            for version, (transport, index) in enumerate(pushes, start=1):
                 cfg = WeightSyncConfig(family="qwen3", transport=transport, verify="always", bucket_mib=0.05,
                                        delta_dir=str(tmp_path / "deltas"), timeout_s=ASK_S)
-                pusher = await system.spawn(TestPusher, f"pusher-{transport}-{version}",
-                                            args=([engine.name], cfg, Source(paths)))
-                await pusher.ask(Pick(index=index), timeout_s=ASK_S)
-                version += 1
-                report = await pusher.ask(PushWeights(version=version), timeout_s=ASK_S)
+                if transport not in pushers:
+                    pushers[transport] = await system.spawn(TestPusher, f"pusher-{transport}",
+                                                            args=([engine.name], cfg, Source(paths)))
+                await pushers[transport].ask(Pick(index=index), timeout_s=ASK_S)
+                report = await pushers[transport].ask(PushWeights(version=version), timeout_s=ASK_S)
                 assert report.verified and report.num_bytes == quantized_bytes, transport
                 assert await greedy(engine) == (expected[index], version), (transport, index)
-                if transport != "disk_delta":
-                    await system.stop(pusher)
+            assert len(list((tmp_path / "deltas").glob("delta_v*"))) == 2  # both kept (keep_deltas = 2)
+
+    scenario(main, TIMEOUT_S)
+
+
+def test_an_engine_gives_back_its_memory_queues_requests_meanwhile_and_a_push_of_its_own_version_restores_it(
+        dirs, tmp_path):
+    """`ReleaseMemory` / `ResumeMemory` (a colocated run's offload): the engine process's RSS drops
+    by its KV cache and weights, a request sent meanwhile waits instead of failing, and pushing the
+    version it already had (the trainer made no new one) restores it bit for bit."""
+    paths = [str(d) for d in dirs]
+    kv_mib = 96
+
+    def rss_mib(pid: int) -> float:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    async def main() -> None:
+        async with ActorSystem(config=config("ipc")) as system:
+            expected = await reference_outputs(system, dirs[:2])
+            engine = await system.spawn(EngineActor, "engine", process=True, args=(paths[0], EngineConfig(
+                kv_cache_mib=kv_mib, max_seq_len=64, double_buffer=True)))
+            cfg = WeightSyncConfig(family="qwen3", transport="stream", verify="always", timeout_s=ASK_S)
+            pusher = await system.spawn(TestPusher, "pusher", args=([engine.name], cfg, Source(paths)))
+            await pusher.ask(Pick(index=1), timeout_s=ASK_S)
+            await pusher.ask(PushWeights(version=1), timeout_s=ASK_S)
+            assert await greedy(engine) == (expected[1], 1)
+            pid = (await engine.ask(EngineStatus(), timeout_s=ASK_S)).pid
+            held = rss_mib(pid)
+            state = await engine.ask(ReleaseMemory(), timeout_s=ASK_S)
+            assert "released" in (state.weights_error or "") and state.paused == "abort"
+            released = rss_mib(pid)
+            assert held - released > 0.8 * kv_mib, (held, released)
+            waiting = asyncio.ensure_future(greedy(engine))  # queues while the engine has no weights
+            await asyncio.sleep(0.5)
+            assert not waiting.done()
+            await engine.ask(ResumeMemory(), timeout_s=ASK_S)
+            report = await pusher.ask(PushWeights(version=1), timeout_s=ASK_S)  # the same version, restored
+            assert report.verified and report.engines[0].weights_error is None
+            assert await asyncio.wait_for(waiting, ASK_S) == (expected[1], 1)
+            with pytest.raises(RemoteError, match="not newer than the engine's"):  # once served, it is stale again
+                await pusher.ask(PushWeights(version=1), timeout_s=ASK_S)
 
     scenario(main, TIMEOUT_S)
 

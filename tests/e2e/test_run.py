@@ -101,13 +101,16 @@ def test_the_terminal_shows_progress_and_warnings_and_verbose_brings_the_detail_
 def test_true_on_policy_mode_from_the_recipe_gives_exactly_zero_mismatch_on_every_step(tmp_path):
     """`trainer.batch_invariant` and `rollout.engine.batch_invariant`: the trainer's log-prob of every
     trained token equals the engine's bit for bit, so a synchronous run's mismatch is exactly 0.0
-    (and without them it is not: the check can fail)."""
+    (and without them it is not: the check can fail). The run also offloads its engines: each step
+    they give back their weights and KV cache while the trainer trains and get them again before
+    the push, which restores them bit for bit (the mismatch stays 0.0)."""
     short = [*SHORT, "loop.num_steps=4", "loop.mode=sync", "eval.mode=none"]
     on = tmp_path / "on"
     proc = run_cli(["run", str(RECIPE), "--out", str(on), "--quiet", *short, "trainer.batch_invariant=true",
-                    "rollout.engine.batch_invariant=true"])
+                    "rollout.engine.batch_invariant=true", "loop.offload_engines=true"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["logprob_abs_diff"] for r in rows(on)] == [0.0] * 4
+    assert all(r["engine_release_s"] > 0 for r in rows(on)) and all(r["engine_resume_s"] > 0 for r in rows(on)[1:])
     off = tmp_path / "off"
     proc = run_cli(["run", str(RECIPE), "--out", str(off), "--quiet", *short])
     assert proc.returncode == 0, proc.stderr[-3000:]

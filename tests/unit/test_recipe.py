@@ -50,6 +50,10 @@ def test_the_shipped_recipe_loads_and_overrides_apply():
     (['teacher.path="a"', "trainer.policy_loss.distill_coef=1", "teacher.max_in_flight=0"],
      "teacher.max_in_flight must be >= 1"),
     (["trainer.advantage.reward_coef=0"], 'buffer.filter = "nonzero_std" drops every group'),
+    (["loop.offload_engines=true"], 'it needs loop.mode = "sync"'),
+    (["loop.offload_engines=true", "loop.mode=sync", "weights.transport=shm"], "shared memory cannot be released"),
+    (["trainer.policy_loss.mis_band=[1.5, 2.0]"], "mis_band must be"),
+    (["rollout.engine.weight_format=int8"], "rollout.engine.weight_format"),
 ])
 def test_mistakes_name_the_key(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -107,6 +111,13 @@ def test_true_on_policy_dtype_and_engine_features_are_reachable():
                                   "trainer.dtype=bfloat16", "rollout.engine.dtype=bfloat16"])
     assert config.trainer.batch_invariant and config.rollout.engine.batch_invariant
     assert (config.trainer.dtype, config.rollout.engine.dtype) == ("bfloat16", "bfloat16")
+
+
+def test_offloaded_engines_get_a_transport_that_can_refill_them():
+    from miles_async.actors.fleet import resolve_transport
+
+    assert resolve_transport(load_recipe(RECIPE, ["loop.mode=sync"])) == "shm"
+    assert resolve_transport(load_recipe(RECIPE, ["loop.mode=sync", "loop.offload_engines=true"])) == "stream"
 
 
 def test_colocated_is_refused_when_the_recipe_loads():
