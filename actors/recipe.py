@@ -37,6 +37,7 @@ Try it: `python -c "from miles_async.actors.recipe import load_recipe; print(loa
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -247,7 +248,9 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def check_keys(tree: dict[str, Any], cls: type, where: str) -> None:
-    """Unknown keys fail by their path with the valid ones; keys the run derives name their source."""
+    """Unknown keys fail by their path with the valid ones; keys the run derives name their source.
+    TOML has no null: the word "none" sets a field that may be None (and is not text) to None, e.g.
+    `trainer.policy_loss.tis_cap = "none"` turns TIS off."""
     fields = {f.encode_name: f for f in msgspec.structs.fields(cls)}
     for key, value in tree.items():
         path = f"{where}{key}"
@@ -257,6 +260,9 @@ def check_keys(tree: dict[str, Any], cls: type, where: str) -> None:
         if field is None:
             raise ValueError(f"unknown key {path!r}; {cls.__name__} has: {', '.join(fields)}")
         kind = field.type
+        options = typing.get_args(kind)
+        if value == "none" and type(None) in options and str not in options:
+            tree[key] = None
         if isinstance(value, dict) and isinstance(kind, type) and issubclass(kind, msgspec.Struct):
             check_keys(value, kind, f"{path}.")
 

@@ -113,6 +113,14 @@ def test_true_on_policy_dtype_and_engine_features_are_reachable():
     assert (config.trainer.dtype, config.rollout.engine.dtype) == ("bfloat16", "bfloat16")
 
 
+def test_the_word_none_sets_an_optional_field_to_none_and_stays_a_word_for_text_fields():
+    config = load_recipe(RECIPE, ["trainer.policy_loss.tis_cap=none", "trainer.policy_loss.dual_clip_c=none",
+                                  "rollout.engine.weight_format=none"])
+    assert config.trainer.policy_loss.tis_cap is None and config.trainer.policy_loss.dual_clip_c is None
+    assert config.rollout.engine.weight_format == "none"
+    assert load_recipe(RECIPE).trainer.policy_loss.tis_cap == 2.0
+
+
 def test_offloaded_engines_get_a_transport_that_can_refill_them():
     from miles_async.actors.fleet import resolve_transport
 
