@@ -45,10 +45,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FORMATS", "QTensor", "dequantize", "e2m1_decode", "e2m1_encode", "e4m3", "fake_quant", "fp8_linear",
+__all__ = ["ACTIVATION_FORMATS", "FORMATS", "QTensor", "dequantize", "e2m1_decode", "e2m1_encode", "e4m3", "fake_quant", "fp8_linear",
            "from_named", "quantize", "quantize_named", "to_named"]
 
 FORMATS = ("fp8_block", "mxfp8", "nvfp4", "int4")
+# Formats whose matmuls take quantized activations too (W8A8: per token, in groups of 128 / blocks
+# of 32, as FP8 GEMMs take them). nvfp4 and int4 are served weight-only (W4A16): an NVFP4
+# activation's per-tensor scale would span the batch, making a request's output depend on its
+# neighbours.
+ACTIVATION_FORMATS = ("fp8_block", "mxfp8")
 E4M3_MAX = 448.0
 E4M3_EMAX = 8  # the largest power of two E4M3 holds: 2^8
 E2M1_MAX = 6.0
@@ -197,27 +202,30 @@ class _Fp8Linear(torch.autograd.Function):
     groups, weights in 128 x 128 tiles), both backward matmuls on the quantized gradient."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
+                matmul: Callable[..., torch.Tensor]) -> torch.Tensor:
         xq = dequantize(quantize(x, "fp8_block", kind="activation"))
         wq = dequantize(quantize(weight, "fp8_block"))
         ctx.save_for_backward(xq, wq)
         ctx.has_bias = bias is not None
-        return torch.nn.functional.linear(xq, wq, bias)
+        return matmul(xq, wq, bias)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None]:  # type: ignore[override]
         xq, wq = ctx.saved_tensors
         gq = dequantize(quantize(grad, "fp8_block", kind="activation"))
         grad_x = gq @ wq
         grad_w = gq.reshape(-1, gq.shape[-1]).t() @ xq.reshape(-1, xq.shape[-1])
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               matmul: Callable[..., torch.Tensor] = torch.nn.functional.linear) -> torch.Tensor:
     """A linear layer whose forward and backward matmuls run on FP8 blockwise values (emulated:
-    quantize, dequantize, matmul in the input's dtype), DeepSeek-V3's FP8 training recipe."""
-    return _Fp8Linear.apply(x, weight, bias)
+    quantize, dequantize, matmul in the input's dtype), DeepSeek-V3's FP8 training recipe. The
+    forward's matmul is `matmul(x, weight, bias)` (e.g. a batch-invariant one)."""
+    return _Fp8Linear.apply(x, weight, bias, matmul)
 
 
 def fake_quant(x: torch.Tensor, fmt: str, *, kind: str = "weight") -> torch.Tensor:

@@ -72,7 +72,7 @@ from miles_async.engine.request import (
 )
 from miles_async.engine.sampling import filtered_log_probs, make_generator, sample
 from miles_async.engine.weights import WeightStore, parse_version
-from miles_async.kernels import cpu_kernels, onednn
+from miles_async.kernels import cpu_kernels, onednn, quant
 from miles_async.models.lora import LoraConfig, add_lora, lora_state, merge_lora
 from miles_async.trajectory import spans_of
 
@@ -164,8 +164,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # "fp8_block", "mxfp8", "nvfp4", "int4"): the engine keeps only the format's tensors
     # (CausalLM.hold_quantized), which are what weight updates carry (a pusher quantizes once, on
     # the trainer's side; a full-precision weight that arrives is quantized on arrival). The
-    # matmuls are emulated on CPU, in the engine's dtype, from the dequantized values. "none":
-    # full precision, as pushed.
+    # matmuls are emulated, in the engine's dtype, from the dequantized values: W8A8 for fp8_block
+    # and mxfp8 (the activations quantized per token too, as FP8 GEMMs take them; no prepacked
+    # weights then), weight-only (W4A16) for nvfp4 and int4. "none": full precision, as pushed.
     weight_format: Literal["none", "fp8_block", "mxfp8", "nvfp4", "int4"] = "none"
     # With a weight_format, where the full-precision values come from: "per_update" dequantizes
     # every layer once after each update and keeps that copy (the fast path; the dense weights'
@@ -351,9 +352,11 @@ class Engine:
         self._counters = collections.Counter()
         # Prepacked weights (EngineConfig.prepack_weights): made on the compute thread before the
         # first step after any change of the weights (`_weights_epoch` counts the changes).
-        # (not from a weight_format's blocks: no dense weight exists to prepack)
+        # (not from a weight_format's blocks: no dense weight exists to prepack; nor for a W8A8
+        # format: the layers quantize their inputs first)
         self._prepack = (config.prepack_weights and not config.batch_invariant and hasattr(model, "prepack_weights")
-                         and not (self._weight_format and config.dequantize == "blocks")
+                         and not (self._weight_format and (config.dequantize == "blocks"
+                                                           or self._weight_format in quant.ACTIVATION_FORMATS))
                          and compute.run_sync(onednn.supported, kv_dtype, self.device))
         self._weights_epoch = 0
         self._prepacked_epoch = -1

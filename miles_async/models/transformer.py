@@ -49,16 +49,19 @@ class Linear(nn.Linear):
     served: torch.Tensor | None = None  # set by CausalLM.dequantize_served: the held weight, dequantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fake_quant:  # quantization-aware training: the weights (fp8: and activations) as the format holds them
-            if self.fake_quant == "fp8_block":
-                return quant.fp8_linear(x, self.weight, self.bias)
-            return F.linear(x, quant.fake_quant(self.weight, self.fake_quant), self.bias)
+        matmul = batch_invariant.linear if self.batch_invariant else F.linear
+        if self.fake_quant:  # quantization-aware training: the layer as an engine serving the format runs it
+            if self.fake_quant == "fp8_block":  # and the backward's matmuls on FP8 values too
+                return quant.fp8_linear(x, self.weight, self.bias, matmul=matmul)
+            if self.fake_quant in quant.ACTIVATION_FORMATS:
+                x = quant.fake_quant(x, self.fake_quant, kind="activation")
+            return matmul(x, quant.fake_quant(self.weight, self.fake_quant), self.bias)
         if self.qformat and self.prepacked is None:  # the engine, serving a quantized format
+            if self.qformat in quant.ACTIVATION_FORMATS:  # W8A8: the activations quantized per token
+                x = quant.dequantize(quant.quantize(x, self.qformat, kind="activation"))
             if self.served is None:
                 return self._dequantizing(x)
-            if self.batch_invariant:
-                return batch_invariant.linear(x, self.served, self.bias)
-            return F.linear(x, self.served, self.bias)
+            return matmul(x, self.served, self.bias)
         if self.lora_rank and self.lora_base is None:  # an adapter, unmerged (the trainer's)
             if self.batch_invariant:  # the merged weight, as the engine serves it (bit for bit), with gradient
                 return batch_invariant.linear(x, self.weight + lora_delta(self.lora_A, self.lora_B, self.lora_scale),
@@ -365,12 +368,14 @@ class CausalLM(nn.Module):
                 module.fused = enabled
 
     def set_fake_quant(self, fmt: str = "") -> None:
-        """Quantization-aware training (`kernels.quant`): the attention and MLP projections run
-        their weights as format `fmt` holds them, with straight-through gradients ("int4": the
-        weights; "fp8_block": weights, activations and the backward's gradients, blockwise E4M3);
+        """Quantization-aware training (`kernels.quant`): the attention and MLP projections run as
+        an engine serving format `fmt` runs them (weights, and for the W8A8 formats fp8_block and
+        mxfp8 the activations, as the format holds them), with straight-through gradients;
+        "fp8_block" also runs the backward's matmuls on blockwise E4M3 gradients (FP8 training).
         "" turns it off. The embeddings and the output projection stay in full precision."""
-        if fmt not in ("", "fp8_block", "int4"):
-            raise ValueError(f"fake quantization trains for 'fp8_block' or 'int4' (or '' for none), got {fmt!r}")
+        if fmt not in ("", *quant.FORMATS):
+            raise ValueError(f"fake quantization trains for one of {', '.join(quant.FORMATS)} (or '' for none), "
+                             f"got {fmt!r}")
         for module in _projections(self):
             module.fake_quant = fmt
 

@@ -224,16 +224,24 @@ def test_a_model_trains_for_and_an_engine_serves_a_quantized_format(tmp_path) ->
 
             got = asyncio.run(asyncio.wait_for(score(), 60))
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=f"{fmt} {dequant} bi={batch_invariant}")
-        if fmt == "int4":  # quantization-aware training: the trainer's forward is the served model's
-            trained = load_pretrained(folder)
-            trained.set_fake_quant("int4")
+        # quantization-aware training: the trainer's forward is the served model's (W8A8 formats:
+        # activations included), with batch-invariant kernels bit for bit
+        for batch_invariant in (False, True):
+            trained, served_bi = load_pretrained(folder), load_pretrained(folder)
+            trained.set_fake_quant(fmt)
+            served_bi.hold_quantized(fmt)
+            trained.set_batch_invariant(batch_invariant)
+            served_bi.set_batch_invariant(batch_invariant)
             logp = logprobs(trained)
-            torch.testing.assert_close(logp.detach(), want, rtol=0, atol=1e-5)
-            logp.sum().backward()  # straight through: every projection's weight gets a gradient
-            assert all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for n, m in trained.named_modules()
-                       if n.endswith("q_proj"))
+            with torch.no_grad():
+                reference = logprobs(served_bi)
+            atol = 0.0 if batch_invariant else 1e-5
+            torch.testing.assert_close(logp.detach(), reference, rtol=0, atol=atol, msg=f"QAT {fmt} bi={batch_invariant}")
+        logp.sum().backward()  # straight through: every projection's weight gets a gradient
+        assert all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for n, m in trained.named_modules()
+                   if n.endswith("q_proj"))
     with pytest.raises(ValueError, match="fake quantization trains for"):
-        plain.set_fake_quant("nvfp4")
+        plain.set_fake_quant("int8")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
