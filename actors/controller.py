@@ -565,6 +565,7 @@ class Controller:
                     "teacher_busy_fraction": min(teacher_busy_s / max(step_s, 1e-9), 1.0)}
         if eval_score is not None:
             row["eval_score"] = eval_score
+            row |= self.evaluator.metrics_of(current.step)  # an lm-eval command's own metrics, by task
         if self.config.loop.offload_engines:  # the engines' memory: taken back before its batch, released before training
             row["engine_resume_s"], row["engine_release_s"] = current.offload_s[1], current.offload_s[0]
         if self.checkpoint_s:  # a checkpoint was taken before this step: its time in the loop's way

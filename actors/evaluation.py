@@ -2,7 +2,8 @@
 
     Evaluator.evaluate(step) ─ "shared":    HoldRollouts ─► the run's engines answer the held-out items ─► resume
                              ─ "dedicated": the weights pushed to an engine of its own; rollouts go on
-                             ─ "command":   a checkpoint folder ─► the user's command ─► {"score": x}
+                             ─ "command":   the user's command (e.g. lm-eval) on the run's engine ({url}) or a
+                                            checkpoint folder ({checkpoint}) ─► {"score": x} or lm-eval's results
 
 A single-turn task is scored by generating one answer per held-out item (`task.prompt_ids`) and
 taking the task's reward; a multi-turn one by running the agent's episode per item through the
@@ -13,9 +14,13 @@ the trace.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
+import os
 import shlex
 import shutil
+import signal
 import statistics
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -33,24 +38,60 @@ from miles_async.engine.client import bearer
 from miles_async.observe import EvalTrace, TraceLog
 from miles_async.task import Completion, Task, load_object
 
+log = logging.getLogger(__name__)
+
 ASK_S = 600.0
+PLACEHOLDERS = ("{url}", "{model}", "{checkpoint}", "{output}")
 
 
 class EvalConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The recipe's `[eval]`: how and how often the policy is scored on held-out items."""
+    r"""The recipe's `[eval]`: how and how often the policy is scored on held-out items.
+
+    mode "command" runs `command` through the shell at each evaluation, with these replaced:
+      {url}         the HTTP API of the run's first rollout engine, which serves the weights being
+                    evaluated (SGLang's and OpenAI's for the embedded engine); rollouts are held
+                    while the command runs, as in "shared"
+      {model}       the run's model folder: its config and a tokenizer transformers loads
+      {checkpoint}  a Hugging Face folder of the weights being evaluated (exported only when named)
+      {output}      an empty folder for the command's results (RUN_DIR/eval/step_N/results)
+    The command also gets OPENAI_API_KEY when the engines want a key (multi-node runs; lm-eval's
+    local-completions sends it, its sglang-generate none). Its score: its last stdout line if that
+    is {"score": x}; otherwise lm-eval's results, the
+    `results_*.json` files lm-eval wrote under {output}: every task's metrics ("task/metric", the
+    filter kept when it is not "none": "gsm8k/exact_match,strict-match") are recorded for the step
+    (`Evaluator.metrics_of`), and `metric` names the one that is the eval score (default: the
+    first task's first metric). lm-eval (0.4.x) runs against the embedded engine unchanged:
+
+        [eval]
+        mode = "command"
+        every = 50
+        metric = "arc_easy/acc"
+        command = '''lm_eval --model local-completions \
+            --model_args base_url={url}/v1/completions,tokenizer={model},tokenizer_backend=huggingface \
+            --tasks arc_easy,gsm8k --output_path {output}'''
+
+    (`--model sglang-generate --model_args base_url={url}/generate,tokenizer={model}` works too;
+    `--include_path DIR` adds local task YAMLs, as tests/data/lm_eval/ has; `max_length=N` in
+    model_args, the context lm-eval fills (2048 by default), must not pass the engine's max_seq_len.)
+    """
 
     mode: Literal["none", "shared", "dedicated", "command"] = "shared"
     every: int = 20  # steps between evaluations (and after the last step); 0: never
     at_start: bool = False  # also score the starting weights (step 0, after any warm start) of a fresh run
     num_prompts: int = 64
     temperature: float = 0.0
-    command: str = ""  # mode "command": run with {checkpoint} replaced; its last stdout line is {"score": x}
+    command: str = ""  # mode "command": the shell command line, with the placeholders above
+    metric: str = ""  # mode "command", lm-eval's results: "task/metric" that is the score; "": the first
+    command_timeout_s: float = 3600.0  # mode "command": the command is killed (and the run fails) past it
 
     def __post_init__(self) -> None:
-        if self.mode == "command" and not self.command:
-            raise ValueError('eval.mode = "command" needs eval.command (with {checkpoint} where the folder goes)')
+        if self.mode == "command" and not any(p in self.command for p in PLACEHOLDERS):
+            raise ValueError(f'eval.mode = "command" needs eval.command naming what it evaluates '
+                             f'({", ".join(PLACEHOLDERS)}), got {self.command!r}')
         if self.every < 0 or self.num_prompts < 1:
             raise ValueError(f"eval.every must be >= 0 and eval.num_prompts >= 1, got {self.every} and {self.num_prompts}")
+        if self.command_timeout_s <= 0:
+            raise ValueError(f"eval.command_timeout_s must be > 0, got {self.command_timeout_s}")
 
     def due(self, step: int, last: int) -> bool:
         return self.mode != "none" and self.every > 0 and (step % self.every == 0 or step == last)
@@ -71,6 +112,7 @@ class Evaluator:
         self.now = now
         self.push = push
         self.scores: list[tuple[int, float]] = []
+        self._command_metrics: dict[int, dict[str, float]] = {}  # mode "command": lm-eval's, by step
         self._probe_round = 0
 
     async def score(self, items: list[Any], *, temperature: float, url: str | None = None) -> float:
@@ -137,24 +179,97 @@ class Evaluator:
         self.scores.append((step, score))
         return score
 
+    def metrics_of(self, step: int) -> dict[str, float]:
+        """Mode "command": the metrics lm-eval returned at `step`'s evaluation, as metrics-row keys
+        ("eval/<task>/<metric>"); empty for other modes and steps."""
+        return {f"eval/{name}": value for name, value in self._command_metrics.get(step, {}).items()}
+
     async def _run_command(self, step: int) -> float:
-        """Write a loadable checkpoint folder, run the command on it, read {"score": x} from its last line."""
-        assert self.fleet.trainer is not None
-        folder = self.fleet.folder.run_dir / "eval" / f"step_{step:06d}"
-        manifest = await self.fleet.trainer.ask(ExportWeights(folder=str(folder / "buckets"), merged=True), ASK_S)
-        await asyncio.to_thread(as_hf_folder, self.fleet.folder.model_dir, manifest, folder)
-        command = self.config.eval.command.replace("{checkpoint}", shlex.quote(str(folder)))
-        proc = await asyncio.create_subprocess_shell(command, stdout=asyncio.subprocess.PIPE,
-                                                     stderr=asyncio.subprocess.PIPE)
-        out, err = await asyncio.wait_for(proc.communicate(), ASK_S)
-        lines = out.decode().strip().splitlines()
-        if proc.returncode != 0 or not lines:
-            raise RuntimeError(f"eval command {command!r} failed (exit {proc.returncode}): {err.decode()[-2000:]}")
+        """Run the user's command on the current weights (EvalConfig's docstring); its score."""
+        cfg, fleet = self.config.eval, self.fleet
+        folder = fleet.folder.run_dir / "eval" / f"step_{step:06d}"
+        output = folder / "results"
+        if "{checkpoint}" in cfg.command:
+            assert fleet.trainer is not None
+            manifest = await fleet.trainer.ask(ExportWeights(folder=str(folder / "buckets"), merged=True), ASK_S)
+            await asyncio.to_thread(as_hf_folder, fleet.folder.model_dir, manifest, folder)
+        shutil.rmtree(output, ignore_errors=True)  # a step evaluated again (a resumed run): its own results only
+        output.mkdir(parents=True)
+        url = fleet.engine_urls[fleet.engines[0].name] if fleet.engines else ""
+        values = {"{url}": url, "{model}": str(fleet.folder.model_dir), "{checkpoint}": str(folder),
+                  "{output}": str(output)}
+        command = cfg.command
+        for placeholder, value in values.items():
+            command = command.replace(placeholder, shlex.quote(value))
+        env = {**os.environ, "OPENAI_API_KEY": fleet.api_key} if fleet.api_key else None
+        holder = fleet.scheduler if "{url}" in cfg.command else None  # the engine answers the command alone
+        if holder is not None:
+            await holder.ask(HoldRollouts(hold=True), timeout_s=ASK_S)
         try:
-            return float(json.loads(lines[-1])["score"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise RuntimeError(f"eval command {command!r}: its last stdout line must be {{\"score\": x}}, "
-                               f"got {lines[-1]!r}") from e
+            out, err, code = await run_shell(command, env, cfg.command_timeout_s)
+        finally:
+            if holder is not None:
+                await holder.ask(HoldRollouts(hold=False), timeout_s=ASK_S)
+        lines = out.strip().splitlines()
+        if code != 0:
+            raise RuntimeError(f"eval command {command!r} failed (exit {code}): {err[-2000:]}")
+        score = _score_line(lines[-1]) if lines else None
+        results = read_lm_eval_results(output)
+        if results:
+            self._command_metrics[step] = results
+            log.info("eval command at step %d: %s", step, results)
+        if score is not None:
+            return score
+        if not results:
+            raise RuntimeError(f"eval command {command!r}: its last stdout line must be {{\"score\": x}}, or it must "
+                               f"write lm-eval's results under {{output}}; got {lines[-1] if lines else 'no output'!r} "
+                               f"and no results_*.json under {output}")
+        name = cfg.metric or next(iter(results))
+        if name not in results:
+            raise RuntimeError(f"eval.metric = {name!r} is not among the results of {command!r}: "
+                               f"{', '.join(results)}")
+        return results[name]
+
+
+async def run_shell(command: str, env: dict[str, str] | None, timeout_s: float) -> tuple[str, str, int]:
+    """(stdout, stderr, exit status) of a shell command; past `timeout_s` (or when the caller is
+    cancelled) its whole process group is killed, so no evaluator outlives its evaluation."""
+    proc = await asyncio.create_subprocess_shell(command, stdout=asyncio.subprocess.PIPE,
+                                                 stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except asyncio.TimeoutError:
+        raise RuntimeError(f"eval command {command!r} ran past {timeout_s:g}s (eval.command_timeout_s)") from None
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    assert proc.returncode is not None
+    return out.decode(errors="replace"), err.decode(errors="replace"), proc.returncode
+
+
+def _score_line(line: str) -> float | None:
+    """x from a line {"score": x}; None for any other line."""
+    try:
+        obj = json.loads(line)
+        return float(obj["score"]) if isinstance(obj, dict) and "score" in obj else None
+    except (ValueError, TypeError):
+        return None
+
+
+def read_lm_eval_results(folder: Path) -> dict[str, float]:
+    """The metrics of the lm-eval results files (`results_*.json`, oldest first) under `folder`:
+    {"task/metric": value} in lm-eval's order, its ",none" filter suffix dropped; standard errors,
+    non-numeric and "N/A" values left out."""
+    metrics: dict[str, float] = {}
+    for path in sorted(folder.rglob("results_*.json"), key=lambda p: p.stat().st_mtime):
+        for task, values in json.loads(path.read_text()).get("results", {}).items():
+            for key, value in values.items():
+                metric, comma, _filter = key.partition(",")
+                if comma and "_stderr" not in metric and type(value) in (int, float):
+                    metrics[f"{task}/{key.removesuffix(',none')}"] = float(value)
+    return metrics
 
 
 def as_hf_folder(model_dir: Path, manifest: Any, folder: Path) -> None:
