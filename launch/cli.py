@@ -31,6 +31,7 @@ BENCH_TARGETS = {
     "runtime": "actor messaging, side by side with Ray and raw ZeroMQ",
     "engine": "embedded-engine generation, side by side with HF generate (--vs-vllm: with vLLM's CPU build)",
     "trainer": "a SmolLM2-135M training step, side by side with transformers and torch AdamW",
+    "optimizer": "AdamW with its state streamed from disk, side by side with torch AdamW in memory and the disk's rate",
     "weights": "weight transports, side by side with memcpy",
     "loop": "the RL loop, async side by side with sync",
     "sim": "the simulator at scale, side by side with a bare event heap",
