@@ -214,6 +214,7 @@ def test_one_and_two_ranks_train_and_agree(model_dir: Path, tmp_path: Path) -> N
     scenario(main, TIMEOUT_S)
 
 
+@pytest.mark.slow  # ~8 s: three spawned runs of two ranks
 def test_crash_mid_save_keeps_previous_and_resume_is_exact(model_dir: Path, tmp_path: Path) -> None:
     total_steps, first_steps = 4, 2
 

@@ -24,6 +24,7 @@ def test_trl_grpo_rejects_an_unknown_reward_before_starting_a_child(tmp_path):
                  max_new_tokens=8, temperature=1.0, lr=1e-4, seed=0, reward="bleu")
 
 
+@pytest.mark.slow  # ~7 s: TRL in a child process
 @pytest.mark.timeout(90)
 def test_trl_grpo_takes_chat_rendered_prompts_the_arithmetic_reward_and_bf16(tmp_path):
     """What `bench loop --model smollm2` gives TRL, on the tiny model: prompts rendered with the
@@ -52,6 +53,7 @@ def test_trl_grpo_rejects_a_single_step_before_starting_a_child(tmp_path):
                  max_new_tokens=8, temperature=1.0, lr=1e-4, seed=0)
 
 
+@pytest.mark.slow  # ~7 s: TRL in a child process
 @pytest.mark.timeout(90)
 def test_trl_grpo_trains_two_steps_on_the_tiny_model(tmp_path):
     pytest.importorskip("trl", reason="the peer is TRL's GRPOTrainer; install the dev extra (pip install -e .[dev])")
@@ -75,6 +77,7 @@ def test_trl_grpo_trains_two_steps_on_the_tiny_model(tmp_path):
     assert set(result["versions"]) == {"trl", "transformers", "torch"}
 
 
+@pytest.mark.slow  # ~7 s: TRL in a child process
 @pytest.mark.timeout(60)
 def test_trl_grpo_raises_with_the_childs_stderr_when_it_fails(tmp_path):
     pytest.importorskip("trl", reason="the peer is TRL's GRPOTrainer; install the dev extra (pip install -e .[dev])")

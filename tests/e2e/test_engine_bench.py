@@ -22,6 +22,7 @@ def bench(*extra: str) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow  # ~7 s: the benchmark and its peer
 def test_bench_engine_prints_one_json_object_with_the_ratio_and_hit_rate():
     pytest.importorskip("transformers", reason="the peer, HF generate, needs transformers (the dev extra)")
     done = bench("--no-vllm")

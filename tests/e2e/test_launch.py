@@ -231,6 +231,7 @@ def kill_trainer_rank(out: Path, args: list[str], rank: int, after_steps: int, *
     return procs
 
 
+@pytest.mark.slow  # ~17 s: two launches of a two-node run
 def test_a_trainer_rank_killed_stops_the_run_with_its_cause_and_resume_continues(tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = trainer_run(out, 10, 4)
