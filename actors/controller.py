@@ -669,7 +669,7 @@ class Controller:
     # ----- records -----
 
     def _trace_sample(self, sample: Trajectory, counted: bool) -> None:
-        if counted and not sample.aborted:
+        if counted and not sample.aborted and sample.scored:  # an unscored sample has no reward to average
             self.rollout_rewards.append(sample.reward)
         self.prompt_tokens_sent += sample.prompt_tokens_sent
         self.cached_tokens += sample.cached_tokens

@@ -310,7 +310,8 @@ class RolloutWorker(Actor):
             return failed(msg, submit_s, 0, "error", episode.error or "the episode made no turn")
         finish = "abort" if taken.finish_reason == "abort" else taken.finish_reason
         return msgspec.structs.replace(taken, **self._identity(msg, submit_s), finish_reason=finish,
-                                       reward=episode.reward or 0.0, end_s=time.time())
+                                       reward=episode.reward or 0.0, scored=episode.reward is not None,
+                                       end_s=time.time())
 
 
 def failed(msg: Rollout, submit_s: float, num_prompt: int, finish: str, error: str) -> Trajectory:

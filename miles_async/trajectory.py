@@ -168,6 +168,9 @@ class Trajectory(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     teacher_s: float = 0.0  # distillation: the teacher's scoring request, and the wait for a free request slot
     teacher_wait_s: float = 0.0
     data: TokenData | BlobRef | None = None  # the arrays, inline or in the data plane; None: nothing generated
+    # False: the environment gave no reward (OpenEnv's "unscored", never 0): `reward` is then
+    # meaningless, the sample leaves its group's baseline and gets advantage 0
+    scored: bool = True
 
     @property
     def aborted(self) -> bool:

@@ -32,7 +32,8 @@ class ToolError(RuntimeError):
 
 
 class Episode(msgspec.Struct, kw_only=True):
-    """What one episode produced: the final answer, the reward, how the turns went."""
+    """What one episode produced: the final answer, the reward, how the turns went. A reward of
+    None is "unscored" (the environment gave none): the sample leaves its group's baseline."""
 
     answer: str | None = None
     reward: float | None = None
@@ -50,7 +51,9 @@ class Environment(Protocol):
 
     async def call_tool(self, name: str, arguments: Mapping[str, Any], task: Any) -> str: ...
 
-    async def verify(self, task: Any, answer: str | None) -> float: ...
+    async def verify(self, task: Any, answer: str | None) -> float | None:
+        """The answer's reward; None: unscored (the environment gives none; never read as 0)."""
+        ...
 
 
 class ChatClient:
@@ -146,7 +149,7 @@ async def run_episode(agent: Agent, environment: Environment, task: Any, base_ur
             return Episode(answer=None, reward=0.0, num_turns=chat.num_turns, num_tool_calls=ctx.num_tool_calls,
                            num_tool_errors=ctx.num_tool_errors, error=f"{type(e).__name__}: {e}")
         reward = ctx.reward if ctx.reward is not None else await environment.verify(task, answer)
-        return Episode(answer=answer, reward=float(reward), num_turns=chat.num_turns,
+        return Episode(answer=answer, reward=None if reward is None else float(reward), num_turns=chat.num_turns,
                        num_tool_calls=ctx.num_tool_calls, num_tool_errors=ctx.num_tool_errors)
     finally:
         if owned:

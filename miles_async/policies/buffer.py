@@ -59,7 +59,8 @@ class BufferConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_staleness: a group drawn at trainer version v with `v - oldest version > max_staleness` is
         dropped as "stale" (0: synchronous, 1: one-step-off, k: fully asynchronous).
     on_stale / on_abort: what becomes of a stale / aborted group's prompt: generated again or dropped.
-    filter: "nonzero_std" drops groups whose rewards are all equal (no learning signal); "none" keeps all.
+    filter: "nonzero_std" drops groups whose rewards are all equal (no learning signal; unscored
+        samples do not count, so a group with fewer than two scored ones goes too); "none" keeps all.
     """
 
     capacity_groups: int = 64
@@ -153,7 +154,7 @@ class BufferPolicy:
         if any(s.aborted for s in group.samples):
             self._num_dropped["aborted"] += 1
             return PutDecision(status="dropped", reason="aborted", retry=self.config.on_abort == "retry")
-        if self.config.filter == "nonzero_std" and len({s.reward for s in group.samples}) == 1:
+        if self.config.filter == "nonzero_std" and len({s.reward for s in group.samples if s.scored}) <= 1:
             self._num_dropped["filtered"] += 1
             return PutDecision(status="dropped", reason="filtered", retry=False)
         if self.full:

@@ -136,7 +136,9 @@ def group_advantages(samples: Sequence[Trajectory], config: AdvantageConfig) -> 
     """One advantage per sample, from the rewards of its group (the samples of one prompt attempt).
 
     Every group needs the same number of samples (GRPO's n per prompt). Scaled by
-    `config.reward_coef` (0: all zero).
+    `config.reward_coef` (0: all zero). An unscored sample (`scored` False: its environment gave
+    no reward) gets 0 and is left out of its group's baseline, which its scored samples make
+    alone (a group with fewer than two scored samples has none: all 0).
     """
     if config.reward_coef == 0:
         return [0.0] * len(samples)
@@ -146,13 +148,23 @@ def group_advantages(samples: Sequence[Trajectory], config: AdvantageConfig) -> 
     sizes = sorted({len(members) for members in groups.values()})
     if len(sizes) != 1:
         raise ValueError(f"every group needs the same number of samples for advantages, got sizes {sizes}")
-    members_GS = list(groups.values())
-    rewards_GS = torch.tensor([[samples[i].reward for i in m] for m in members_GS], dtype=torch.float64)
-    advantages_GS = compute_advantages(rewards_GS, config)
     out = [0.0] * len(samples)
-    for g, members in enumerate(members_GS):
-        for s, i in enumerate(members):
-            out[i] = float(advantages_GS[g, s]) * config.reward_coef
+    if all(s.scored for s in samples):  # the usual case: every group at once
+        members_GS = list(groups.values())
+        rewards_GS = torch.tensor([[samples[i].reward for i in m] for m in members_GS], dtype=torch.float64)
+        advantages_GS = compute_advantages(rewards_GS, config)
+        for g, members in enumerate(members_GS):
+            for s, i in enumerate(members):
+                out[i] = float(advantages_GS[g, s]) * config.reward_coef
+        return out
+    for members in groups.values():
+        scored = [i for i in members if samples[i].scored]
+        if len(scored) < 2:
+            continue
+        advantages_1S = compute_advantages(torch.tensor([[samples[i].reward for i in scored]], dtype=torch.float64),
+                                           config)
+        for s, i in enumerate(scored):
+            out[i] = float(advantages_1S[0, s]) * config.reward_coef
     return out
 
 

@@ -111,25 +111,32 @@ def test_a_replacement_agent_and_environment_plug_in_unchanged():
         async def call_tool(self, name, arguments, task) -> str:
             return "unused"
 
-        async def verify(self, task, answer) -> float:
-            return 0.5 if answer == "hi" else 0.0
+        async def verify(self, task, answer) -> float | None:
+            return None if answer == "?" else 0.5 if answer == "hi" else 0.0
 
     async def reporter(ctx) -> str:
         reply = await ctx.chat.complete([{"role": "user", "content": "say hi"}])
         ctx.report_reward(0.25)  # the agent's own reward wins over the verifier's
         return reply["content"]
 
-    async def main() -> tuple[Episode, Episode]:
+    async def main() -> tuple[Episode, Episode, Episode]:
         runner, url = await serve(ScriptedPolicy([{"content": "hi"}]))
         try:
             base = f"{url}/sessions/s/v1"
-            return await run_episode(agent, Echo(), PROBLEM, base), await run_episode(reporter, Echo(), PROBLEM, base)
+
+            async def puzzled(ctx) -> str:
+                await ctx.chat.complete([{"role": "user", "content": "say hi"}])
+                return "?"
+
+            return (await run_episode(agent, Echo(), PROBLEM, base), await run_episode(reporter, Echo(), PROBLEM, base),
+                    await run_episode(puzzled, Echo(), PROBLEM, base))
         finally:
             await runner.cleanup()
 
     assert isinstance(Echo(), Environment) and isinstance(CalculatorEnv(), Environment)
-    plain, reported = run(main())
+    plain, reported, unscored = run(main())
     assert (plain.reward, plain.answer) == (0.5, "hi") and reported.reward == 0.25
+    assert unscored.reward is None and not unscored.error  # unscored, not failed and not 0
 
 
 def test_problems_and_sft_transcripts():

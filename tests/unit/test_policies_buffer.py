@@ -37,6 +37,13 @@ def test_groups_with_all_equal_rewards_are_filtered_and_never_retried():
     assert (decision.status, decision.reason, decision.retry) == ("dropped", "filtered", False)
     assert policy.num_groups == 0
     assert BufferPolicy(BufferConfig(filter="none")).put(group(1, rewards=(1.0, 1.0)), now=0.0).status == "accepted"
+    # unscored samples do not count: a group whose scored rewards are equal (or with one scored) is filtered
+    import msgspec
+
+    mixed = group(2, rewards=(1.0, 0.0, 1.0))
+    mixed = Group(prompt_id=2, samples=(mixed.samples[0], msgspec.structs.replace(mixed.samples[1], scored=False),
+                                        mixed.samples[2]), attempt=0)
+    assert policy.put(mixed, now=0.0).reason == "filtered"
 
 
 def test_a_full_buffer_takes_nothing_until_a_get_makes_room():

@@ -115,6 +115,20 @@ def test_group_advantages_are_relative_within_each_prompt() -> None:
     assert plan_step(samples, 1, 8, "token", None).advantages == [0.0] * 4  # SFT: none
 
 
+def test_an_unscored_sample_leaves_its_groups_baseline_and_gets_no_advantage() -> None:
+    import msgspec
+
+    rewards = ((0, 1.0), (0, 0.0), (0, 0.0), (1, 1.0), (1, 0.0), (1, 0.0))
+    samples = [meta([1, 2], [0, 1], prompt_id=p, reward=r) for p, r in rewards]
+    # the last of prompt 0 is unscored (its 0.0 means nothing); prompt 1 has one scored sample only
+    samples[2] = msgspec.structs.replace(samples[2], scored=False)
+    samples[4] = msgspec.structs.replace(samples[4], scored=False)
+    samples[5] = msgspec.structs.replace(samples[5], scored=False)
+    grpo = AdvantageConfig(normalize_std=False)
+    # prompt 0's baseline is the mean of its two scored rewards, 0.5; prompt 1 has no baseline
+    assert group_advantages(samples, grpo) == [0.5, -0.5, 0.0, 0.0, 0.0, 0.0]
+
+
 def tiny_model() -> CausalLM:
     config = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, qk_norm=True)
