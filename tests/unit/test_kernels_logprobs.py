@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
+from _support_memory import peak_allocated_bytes
 
 from miles_async.kernels.logprobs import (
     token_logprobs_from_hidden,
@@ -138,27 +138,6 @@ def test_bad_inputs_are_refused_by_name(bad: dict, match: str) -> None:
         token_logprobs_from_hidden(torch.zeros(2, 4), torch.zeros(8, 5), torch.tensor([0, 1]))
 
 
-def _peak_allocated_bytes(fn) -> int:
-    """Peak of the CPU allocator's live bytes while `fn` runs, from the profiler's allocation events.
-
-    Each allocation event carries the allocator's running total (counted from the profiler's start),
-    so the maximum over events is the peak of every tensor allocated inside `fn`, intermediates and
-    autograd's saved tensors included. (`experimental_event_tree` is a private profiler API; only
-    this test helper relies on it.)
-    """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    totals: list[int] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if isinstance(node.extra_fields, torch._C._profiler._ExtraFields_Allocation):
-            totals.append(node.extra_fields.total_allocated)
-        stack.extend(node.children)
-    assert totals, "the profiler recorded no allocation"
-    return max(totals)
-
-
 def test_chunked_peak_memory_is_a_fraction_of_the_unchunked_one() -> None:
     num_tokens, vocab, hidden, chunk_tokens = 512, 100_000, 64, 64
     gen = torch.Generator().manual_seed(0)
@@ -175,7 +154,7 @@ def test_chunked_peak_memory_is_a_fraction_of_the_unchunked_one() -> None:
         (logp_T.sum() + 0.1 * ent_T.sum()).backward()
 
     full_fp32_logits_bytes = num_tokens * vocab * 4  # 205 MB
-    chunked_peak, unchunked_peak = _peak_allocated_bytes(chunked), _peak_allocated_bytes(unchunked)
+    chunked_peak, unchunked_peak = peak_allocated_bytes(chunked), peak_allocated_bytes(unchunked)
     print(f"peak: chunked {chunked_peak / 1e6:.0f} MB, unchunked {unchunked_peak / 1e6:.0f} MB, "
           f"one fp32 [T, V] {full_fp32_logits_bytes / 1e6:.0f} MB")
     # The chunked pass never holds one full float32 [T, V] tensor (its peak is a few chunk buffers

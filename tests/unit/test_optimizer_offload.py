@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
+from _support_memory import allocation_totals
 
 from miles_async.models import init_model
 from miles_async.trainer.config import TrainerConfig
@@ -90,15 +90,7 @@ def test_at_most_two_buckets_of_state_are_in_memory(tmp_path: Path) -> None:
     set_grads(ps, [torch.ones(1 << 18)] * 8)
     opt.step()  # the first step writes the zero state; the second reads it back
     set_grads(ps, [torch.ones(1 << 18)] * 8)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        opt.step()
-    # the allocator's running total at each allocation event (private API, as in test_trainer_step)
-    totals, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if isinstance(node.extra_fields, torch._C._profiler._ExtraFields_Allocation):
-            totals.append(node.extra_fields.total_allocated)
-        stack.extend(node.children)
+    totals = allocation_totals(opt.step)
     allocated = max(totals) - min(totals)
     print(f"\nstep allocated {allocated / 2**20:.2f} MiB for {opt.state_bytes / 2**20:.0f} MiB of state "
           f"in {opt.num_buckets} buckets of {opt.bucket_bytes / 2**20:.0f} MiB")

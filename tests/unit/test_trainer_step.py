@@ -10,8 +10,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from _support_memory import peak_allocated_bytes
 from safetensors.torch import load_file
-from torch.profiler import ProfilerActivity, profile
 
 from miles_async.actors.trainer import TrainerRank
 from miles_async.models import init_model, load_pretrained
@@ -262,16 +262,7 @@ def test_the_step_holds_log_prob_chunks_not_full_logits(trainer: Trainer) -> Non
     def peak_bytes(chunk_tokens: int) -> int:
         chunked = Trainer(TrainerConfig(model_dir=trainer.config.model_dir, micro_batch_tokens=num_tokens,
                                         logprob_chunk_tokens=chunk_tokens), trainer.device)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step(chunked, samples)
-        # the allocator's running total at each allocation event (private API, as in test_kernels_logprobs)
-        totals, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            node = stack.pop()
-            if isinstance(node.extra_fields, torch._C._profiler._ExtraFields_Allocation):
-                totals.append(node.extra_fields.total_allocated)
-            stack.extend(node.children)
-        return max(totals)
+        return peak_allocated_bytes(lambda: step(chunked, samples))
 
     logits_bytes = num_tokens * vocab * 4
     chunked, whole = peak_bytes(64), peak_bytes(num_tokens)
