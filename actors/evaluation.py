@@ -30,6 +30,7 @@ import aiohttp
 import msgspec
 
 from miles_async.actors.fleet import Fleet
+from miles_async.actors.rollout import environment_factory
 from miles_async.actors.scheduler import HoldRollouts
 from miles_async.actors.sessions import CloseSessions
 from miles_async.actors.trainer import ExportWeights
@@ -137,20 +138,21 @@ class Evaluator:
         return statistics.fmean(scores) if scores else 0.0
 
     async def _score_episodes(self, items: list[Any], *, temperature: float) -> float:
-        """Mean reward of one episode per item, through the session server (sessions closed after)."""
-        from miles_async.agents.api import run_episode
-
+        """Mean reward of one episode per item, through the session server (sessions closed after),
+        each driven as a rollout worker drives one: the recipe's rollout function, an environment
+        of its own (no sandbox)."""
         cfg = self.config
         assert self.fleet.sessions is not None
         agent = load_object(cfg.agent.agent, "agent")
-        environment = load_object(cfg.agent.environment, "environment")()
+        make_environment = environment_factory(cfg.agent.environment)
+        rollout = load_object(cfg.agent.rollout, "rollout function")
         sampling = {"temperature": temperature, "max_tokens": cfg.rollout.sampling.max_new_tokens}
         self._probe_round += 1
         ids = [f"probe{self._probe_round}-{i}" for i in range(len(items))]
         url = self.fleet.sessions_url
         async with aiohttp.ClientSession(headers=bearer(self.fleet.api_key)) as http:  # a session server off node 0
-            episodes = await asyncio.gather(*(run_episode(agent, environment, item, f"{url}/sessions/{sid}/v1",
-                                                          sampling=sampling, http=http)
+            episodes = await asyncio.gather(*(rollout(agent, make_environment(), item, f"{url}/sessions/{sid}/v1",
+                                                      sampling=sampling, http=http)
                                               for item, sid in zip(items, ids)))
         await self.fleet.sessions.ask(CloseSessions(session_ids=ids), timeout_s=ASK_S)
         return statistics.fmean(e.reward or 0.0 for e in episodes) if episodes else 0.0

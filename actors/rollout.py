@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import aiohttp
@@ -129,18 +130,42 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
                              f">= 0, got {self.num_engines}, {self.num_workers} and {self.engine_threads}")
 
 
+DEFAULT_ROLLOUT = "miles_async.agents.api:run_episode"
+
+
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Multi-turn rollouts (the recipe's `[agent]`): each sample is an episode of `agent` in
     `environment` (dotted paths), talking to the policy through the run's TITO session server."""
 
     agent: str = ""  # "" = single-turn generation
+    # What makes each episode's environment: a dotted path to a class or function, called once per
+    # episode (with sandbox= when `sandbox`); or the URL of a served environment, handed to the
+    # rollout function as it is (`miles_async.agents.openenv:rollout` connects to OpenEnv's server).
     environment: str = ""
-    rollout: str = "miles_async.agents.api:run_episode"  # drives one episode (agents.api.RolloutFn)
+    rollout: str = DEFAULT_ROLLOUT  # drives one episode (agents.api.RolloutFn)
     sandbox: bool = True  # a LocalSandbox per episode for the environment's tools
 
     def __post_init__(self) -> None:
         if self.agent and not self.environment:
-            raise ValueError("[agent] agent needs [agent] environment (a dotted path)")
+            raise ValueError("[agent] agent needs [agent] environment (a dotted path, or a served environment's URL)")
+        if is_served(self.environment) and self.rollout == DEFAULT_ROLLOUT:
+            raise ValueError(f"[agent] environment {self.environment!r} is a served environment: it needs a rollout "
+                             "function that connects to it (rollout = \"miles_async.agents.openenv:rollout\" for "
+                             "OpenEnv's server)")
+
+
+def is_served(environment: str) -> bool:
+    """Whether `[agent] environment` is a URL (a served environment) rather than a dotted path."""
+    return environment.startswith(("http://", "https://", "ws://", "wss://"))
+
+
+def environment_factory(environment: str) -> Callable[..., Any]:
+    """What makes an episode's environment from `[agent] environment` (AgentConfig): the object its
+    dotted path names, or, for a URL, a function that gives the URL (the rollout function opens it)."""
+    if is_served(environment):
+        return lambda **_: environment
+    factory: Callable[..., Any] = load_object(environment, "environment")
+    return factory
 
 
 class Rollout(Message[Trajectory], frozen=True):
@@ -183,7 +208,7 @@ class RolloutWorker(Actor):
             if not sessions or not session_url:
                 raise ValueError("an agent needs the session server (its actor name and URL)")
             self.agent = load_object(self.agent_config.agent, "agent")
-            self.environment_cls = load_object(self.agent_config.environment, "environment")
+            self.environment_cls = environment_factory(self.agent_config.environment)
             self.rollout_fn = load_object(self.agent_config.rollout, "rollout function")
         self.sessions_name = sessions
         self.sessions: ActorRef | None = None

@@ -33,8 +33,11 @@ Routing: every turn of a session goes to the engine it started on (which holds i
 cache); a new session goes to the engine with the fewest requests in flight (then the fewest
 sessions, then the first).
 
-Endpoints: POST /v1/chat/completions (session from the X-Session-Id header, else a fresh one; the
-id comes back in the X-Session-Id header and the body's `session_id`), POST
+Endpoints: POST /v1/chat/completions (session from the body's `session_id`, else the X-Session-Id
+header, else a fresh one; the id comes back in the X-Session-Id header and the body's `session_id`.
+The body field is for clients that share one base URL across sessions and whose header is not
+theirs to set: Verifiers' interception sends its own trace id as X-Session-ID, and passes
+`session_id` through as a sampling field, miles_async/agents/verifiers.py), POST
 /sessions/{id}/v1/chat/completions, GET /sessions/{id}/samples, DELETE /sessions/{id}, GET /stats,
 GET /health, GET /v1/models. Errors use OpenAI's shape {"error": {message, type, param, code}}.
 Beyond OpenAI's fields, a completion carries `prompt_token_ids` and `choices[0].token_ids`
@@ -625,12 +628,22 @@ async def _read_json(request: web.Request) -> Any:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     server = request.app[SERVER_KEY]
-    session_id = request.match_info.get("session_id") or request.headers.get("X-Session-Id") or uuid.uuid4().hex
-    chat = parse_chat_request(await _read_json(request), server.model)
+    body = await _read_json(request)
+    session_id = (request.match_info.get("session_id") or _body_session_id(body)
+                  or request.headers.get("X-Session-Id") or uuid.uuid4().hex)
+    chat = parse_chat_request(body, server.model)
     if chat.stream:
         return await _stream(request, server, session_id, chat)
     completion = await server.complete(session_id, chat)
     return web.json_response(completion, headers={"X-Session-Id": session_id})
+
+
+def _body_session_id(body: Any) -> str | None:
+    """The body's `session_id` (module docstring), None when it has none; RequestError when it is not a name."""
+    session_id = body.get("session_id") if isinstance(body, dict) else None
+    if session_id is not None and (not isinstance(session_id, str) or not session_id or "/" in session_id):
+        raise RequestError(f"session_id must be a non-empty string without '/', got {session_id!r}", param="session_id")
+    return session_id
 
 
 def _streamable(text: str) -> str:

@@ -8,7 +8,8 @@ not fuse with it into one malformed line.
 Metrics rows are plain dicts of numbers. The controller writes these keys (the plots in
 `observe.plot` read them; any may be absent from a row):
 
-    step, wall_s, reward_mean, eval_score (eval steps only; with an lm-eval command also
+    step, wall_s, reward_mean (scored samples only), unscored_fraction (the batch's samples whose
+    environment gave no reward), eval_score (eval steps only; with an lm-eval command also
     eval/<task>/<metric> for each metric it returned), logprob_abs_diff, staleness_mean,
     staleness_max, num_samples, num_tokens, num_forward_tokens (num_tokens less the repeats of
     prompts the trainer ran once per group), samples_per_s, step_s, wait_data_s, train_s,

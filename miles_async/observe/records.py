@@ -153,6 +153,7 @@ class SampleTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", t
     tool_s: float = 0.0
     teacher_s: float = 0.0  # distillation: the teacher's scoring request (after end_s), and its wait for a slot
     teacher_wait_s: float = 0.0
+    scored: bool = True  # False: the environment gave no reward (`reward` means nothing)
 
 
 class StepTrace(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="train_step"):

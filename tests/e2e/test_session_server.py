@@ -263,6 +263,28 @@ def test_streaming_returns_the_same_turn_as_a_plain_request(model_dir):
     assert "by-header" in sessions
 
 
+def test_at_one_base_url_the_body_names_the_session_before_the_header(model_dir):
+    """Verifiers' interception reaches every rollout's model at one base URL and sends its own trace
+    id as X-Session-ID; the session the turn belongs to rides in the body (`session_id`)."""
+    messages = [SYSTEM, {"role": "user", "content": "Count to three."}]
+
+    async def scenario():
+        async with served(model_dir) as (server, _):
+            shared = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
+                                 default_headers={"X-Session-Id": "trace-1"})
+            for session_id in ("episode-a", "episode-b"):
+                await shared.chat.completions.create(model="tiny", messages=messages,
+                                                     extra_body={"session_id": session_id}, **GREEDY)
+            with pytest.raises(openai.BadRequestError) as refused:
+                await shared.chat.completions.create(model="tiny", messages=messages, extra_body={"session_id": 7},
+                                                     **GREEDY)
+            return set(server.sessions), refused.value
+
+    sessions, refused = run(scenario())
+    assert sessions == {"episode-a", "episode-b"}
+    assert refused.status_code == 400 and "session_id" in refused.message
+
+
 def test_two_engines_keep_each_session_on_its_engine(model_dir):
     async def scenario():
         async with served(model_dir, num_engines=2) as (server, urls):
