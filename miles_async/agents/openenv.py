@@ -345,6 +345,9 @@ class _InProcess:
     def __init__(self, env: Any) -> None:
         self.env = env
         self.stack = contextlib.AsyncExitStack()
+        # A bad tool call already comes back to the agent as text and counts as a failed call; FastMCP
+        # would also log each one (a warning, or a traceback) on the run's terminal: errors only.
+        logging.getLogger("fastmcp").setLevel(logging.ERROR)
         self.interfaces = openenv_module("openenv.core.env_server.interfaces")
         self.serialization = openenv_module("openenv.core.env_server.serialization")
         self.types = openenv_module("openenv.core.env_server.types")
