@@ -156,6 +156,32 @@ async def run_episode(agent: Agent, environment: Environment, task: Any, base_ur
             await http.close()
 
 
+def sft_example(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                tools: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of one conversation rendered as the session server renders it (the
+    chat template with `tools`): 1 on what the assistant says up to its end-of-turn token, 0 on the
+    rest, the prompt, tool outputs and template glue included (an SFT warm start's example: the
+    calculator task's; an `agents.openenv.OpenEnvTask` subclass whose environment ships
+    demonstrations)."""
+    end_id = tokenizer.eos_token_id
+    tokens: list[int] = []
+    mask: list[int] = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prefix = tokenizer.encode(tokenizer.apply_chat_template(list(messages[:i]), tools=list(tools),
+                                                                add_generation_prompt=True))
+        full = tokenizer.encode(tokenizer.apply_chat_template(list(messages[:i + 1]), tools=list(tools)))
+        if full[:len(tokens)] != tokens or prefix[:len(tokens)] != tokens:
+            raise ValueError("the chat template is not append-only for these messages")
+        mask += [0] * (len(prefix) - len(tokens))
+        reply = full[len(prefix):]
+        cut = reply.index(end_id) + 1 if end_id in reply else len(reply)
+        mask += [1] * cut + [0] * (len(reply) - cut)
+        tokens = full
+    return tokens, mask
+
+
 class RolloutFn(Protocol):
     """The outer layer: how the loop drives an episode (the refill scheduler decides which and when,
     sample by sample). `run_episode` is the default; a replacement (retries, a harness of its own,

@@ -90,8 +90,12 @@ from typing import Any, ClassVar
 import aiohttp
 import msgspec
 
-from miles_async.agents.api import Agent, AgentContext, Episode, ToolError, run_episode
+from miles_async.agents.api import Agent, AgentContext, Episode, ToolError, run_episode, sft_example
 from miles_async.task import Completion, Split
+
+# sft_example (agents.api) is here too: an OpenEnvTask subclass renders its demonstrations with it
+__all__ = ["OpenEnvItem", "OpenEnvSession", "OpenEnvTask", "OpenEnvTaskConfig", "agent", "open_session",
+           "openai_tool", "rollout", "sft_example"]
 
 log = logging.getLogger("miles_async.agents.openenv")
 
@@ -173,30 +177,6 @@ class OpenEnvTask:
     def sft_examples(self, items: Sequence[OpenEnvItem]) -> list[tuple[list[int], list[int]]]:
         raise ValueError("an OpenEnv environment ships no demonstrations for the SFT warm start: set "
                          "sft.max_steps = 0 (or start from a model that calls tools: model.path)")
-
-
-def sft_example(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
-                tools: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) of one conversation rendered as the session server renders it (the
-    chat template with `tools`): 1 on what the assistant says up to its end-of-turn token, 0 on the
-    rest. For an `OpenEnvTask` subclass whose environment ships demonstrations."""
-    end_id = tokenizer.eos_token_id
-    tokens: list[int] = []
-    mask: list[int] = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prefix = tokenizer.encode(tokenizer.apply_chat_template(list(messages[:i]), tools=list(tools),
-                                                                add_generation_prompt=True))
-        full = tokenizer.encode(tokenizer.apply_chat_template(list(messages[:i + 1]), tools=list(tools)))
-        if full[:len(tokens)] != tokens or prefix[:len(tokens)] != tokens:
-            raise ValueError("the chat template is not append-only for these messages")
-        mask += [0] * (len(prefix) - len(tokens))
-        reply = full[len(prefix):]
-        cut = reply.index(end_id) + 1 if end_id in reply else len(reply)
-        mask += [1] * cut + [0] * (len(reply) - cut)
-        tokens = full
-    return tokens, mask
 
 
 # ----- OpenEnv's data as ours -----

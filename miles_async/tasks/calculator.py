@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from miles_async.agents.api import AgentContext, ToolError
+from miles_async.agents.api import AgentContext, ToolError, sft_example
 from miles_async.task import Completion, Split
 
 TOOLS: list[dict[str, Any]] = [{
@@ -126,26 +126,7 @@ def sft_examples(items: list[Problem], tokenizer: Any) -> list[tuple[list[int], 
     """(token ids, loss mask) of each ideal conversation, rendered as the session server renders it
     (the chat template with the tools): the mask is 1 on what the assistant says, up to and
     including its end-of-turn token, and 0 on the prompt, the tool's output and template glue."""
-    end_id = tokenizer.eos_token_id
-    examples = []
-    for messages in sft_transcripts(items):
-        tokens: list[int] = []
-        mask: list[int] = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            prefix = tokenizer.encode(tokenizer.apply_chat_template(messages[:i], tools=TOOLS,
-                                                                    add_generation_prompt=True))
-            full = tokenizer.encode(tokenizer.apply_chat_template(messages[:i + 1], tools=TOOLS))
-            if full[:len(tokens)] != tokens or prefix[:len(tokens)] != tokens:
-                raise ValueError("the chat template is not append-only for these messages")
-            mask += [0] * (len(prefix) - len(tokens))
-            reply = full[len(prefix):]
-            cut = reply.index(end_id) + 1 if end_id in reply else len(reply)
-            mask += [1] * cut + [0] * (len(reply) - cut)
-            tokens = full
-        examples.append((tokens, mask))
-    return examples
+    return [sft_example(tokenizer, messages, TOOLS) for messages in sft_transcripts(items)]
 
 
 def sft_transcripts(items: list[Problem]) -> list[list[dict[str, Any]]]:
