@@ -268,6 +268,7 @@ def test_random_fill_check_catches_a_transport_that_skips_a_tensor(dirs):
     scenario(main, TIMEOUT_S)
 
 
+@pytest.mark.slow  # ~13 s: a pusher killed mid-write, per buffering mode
 @pytest.mark.parametrize("double_buffer", [True, False])
 def test_killing_the_pusher_midway_never_serves_a_mix_of_versions(dirs, double_buffer):
     paths = [str(d) for d in dirs]

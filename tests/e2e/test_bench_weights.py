@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # ~7 s: every transport and format
 def test_bench_weights_prints_one_json_object_with_ratios():
     done = subprocess.run(
         [sys.executable, "-m", "miles_async.launch.cli", "bench", "weights", "--json", "--mib", "16", "--reps", "1",

@@ -89,6 +89,7 @@ def test_two_nodes_run_the_recipe_with_engine_scheduler_buffer_and_a_trainer_ran
         assert session_pids(p.pid) == [], "a process of the run outlived it"
 
 
+@pytest.mark.slow  # ~6 s: waits out the rendezvous
 @pytest.mark.timeout(60)
 def test_a_node_that_never_arrives_ends_the_launch_naming_it(tmp_path: Path) -> None:
     port = free_port()
@@ -393,6 +394,7 @@ def refused_without_the_run_folder(tmp_path: Path, *overrides: str) -> tuple[int
     return rc0, err0, err1, time.monotonic() - started
 
 
+@pytest.mark.slow  # ~7 s: a two-node launch
 @pytest.mark.timeout(300)
 def test_a_trainer_rank_on_a_node_without_the_run_folder_is_refused_naming_it(tmp_path: Path) -> None:
     rc0, err0, err1, seconds = refused_without_the_run_folder(tmp_path, "trainer.world_size=2",

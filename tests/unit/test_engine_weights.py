@@ -196,6 +196,7 @@ def _write_shared(segment: str, path: str, die_midway: bool) -> None:
     handle.close()
 
 
+@pytest.mark.slow  # ~10 s: a writer process per buffering mode
 @pytest.mark.parametrize("double_buffer", [False, True])
 def test_shared_weights_written_by_another_process(dirs, double_buffer):
     engine = engine_for(dirs[0], shared_weights=True, double_buffer=double_buffer)
