@@ -76,6 +76,7 @@ reward a tool result carried, as OpenEnv's own resolver reads it). None is OpenE
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import importlib
@@ -256,9 +257,10 @@ def reset_arguments(item: Any) -> tuple[int | None, dict[str, Any]]:
 # ----- one episode's session -----
 
 
-class OpenEnvSession:
+class OpenEnvSession(abc.ABC):
     """One OpenEnv session as the episode's `Environment` (agents.api): `tools`, `call_tool`,
-    `verify`; plus `transcript` (the initial messages, extended by the agent), `done`, `close()`."""
+    `verify`; plus `transcript` (the initial messages, extended by the agent), `done`, `close()`.
+    A subclass drives one kind of OpenEnv object: `_call`, `_verify` and `_close`."""
 
     def __init__(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]], *, timeout_s: float) -> None:
         self.messages = messages
@@ -305,14 +307,14 @@ class OpenEnvSession:
         except Exception as e:  # noqa: BLE001 - the environment's cleanup: said, never masks the episode
             log.warning("closing an OpenEnv session failed: %s: %s", type(e).__name__, e)
 
-    async def _call(self, name: str, arguments: dict[str, Any]) -> tuple[str, bool, float | None]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def _call(self, name: str, arguments: dict[str, Any]) -> tuple[str, bool, float | None]: ...
 
-    async def _verify(self) -> float | None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def _verify(self) -> float | None: ...
 
-    async def _close(self) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    async def _close(self) -> None: ...
 
 
 def _reward(value: Any) -> float | None:
