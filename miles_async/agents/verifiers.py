@@ -186,6 +186,10 @@ async def _hold(config: VerifiersConfig, key: tuple[asyncio.AbstractEventLoop, b
                 ready: asyncio.Future[ServedEnv]) -> None:
     """Load the environment and hold `Env.serving()` open until cancelled (the loop ending, or
     `close_environments`); a failure to start is every waiting episode's, and the next one tries again."""
+    # Verifiers warns once per failed model call, then re-raises the error from the episode, which
+    # fails the sample: our scheduler reports those (counted, with the latest cause), so the
+    # per-call warnings would only repeat them, by the dozen when a run stops with episodes in flight.
+    logging.getLogger("verifiers.v1.interception.server").setLevel(logging.ERROR)
     try:
         env = verifiers().load_environment(env_config(config))
         async with env.serving():
@@ -341,4 +345,7 @@ class VerifiersTask:
                         "agent episodes ([agent] in the recipe)")
 
     def sft_examples(self, items: Sequence[VerifiersItem]) -> list[tuple[list[int], list[int]]]:
-        return []  # no ideal conversations to warm-start on: set sft.max_steps = 0
+        """None: a Verifiers taskset has no ideal conversations. An environment that can write them
+        subclasses this task with them (tests/data/verifiers_calc's `warm_start.CalcTask`); without
+        any, set `sft.max_steps = 0`."""
+        return []
