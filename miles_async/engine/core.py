@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 import torch
 
-from miles_async.engine import compute
+from miles_async.engine import compute, speculative
 from miles_async.engine.attention import GatherWorkspace, PagedAttention, ScheduledChunk, StepPlan, build_plan
 from miles_async.engine.kv_cache import KVCache, OutOfBlocksError
 from miles_async.engine.request import (
@@ -73,6 +73,8 @@ from miles_async.engine.request import (
 from miles_async.engine.sampling import filtered_log_probs, make_generator, sample
 from miles_async.engine.weights import WeightStore, parse_version
 from miles_async.kernels import cpu_kernels, onednn, quant
+from miles_async.models.draft import PREFIX as DRAFT_PREFIX
+from miles_async.models.draft import has_draft
 from miles_async.models.lora import LoraConfig, add_lora, lora_state, merge_lora
 from miles_async.trajectory import spans_of
 
@@ -173,6 +175,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # memory on top of the format's), "blocks" keeps the format's tensors alone and dequantizes a
     # block of rows at a time inside every forward (the format's memory; slower on CPU).
     dequantize: Literal["per_update", "blocks"] = "per_update"
+    # Speculative decoding (engine/speculative.py): the model's draft head (models/draft.py: its
+    # `mtp.*` weights, from the checkpoint, the updates, or seeded when neither has them) proposes
+    # this many tokens per decoding request per step and the policy verifies them in one forward;
+    # outputs keep exactly the policy's distribution, log-probs are the policy's. 0: off.
+    speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_running_requests", "max_waiting_requests", "max_prefill_tokens"):
@@ -186,6 +193,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(_shared_on_device(self.device))
         if self.dequantize not in ("per_update", "blocks"):
             raise ValueError(f"EngineConfig.dequantize must be 'per_update' or 'blocks', got {self.dequantize!r}")
+        if not 0 <= self.speculative_tokens <= 16:
+            raise ValueError(f"EngineConfig.speculative_tokens must be in [0, 16] (0: no speculative decoding), got "
+                             f"{self.speculative_tokens}")
+        if self.speculative_tokens and (self.lora.enabled or self.weight_format != "none"):
+            raise ValueError("EngineConfig.speculative_tokens with LoRA or a weight_format is not supported (the "
+                             "draft head's weights would be left out of the updates, or quantized untested): "
+                             "set speculative_tokens = 0 or drop the other")
         if self.weight_format != "none" and self.lora.enabled:
             raise ValueError(f"EngineConfig.weight_format = {self.weight_format!r} with LoRA is not supported: the "
                              "engine merges the adapters into a full-precision base; set one or the other")
@@ -235,6 +249,10 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     paused: str | None
     weights_error: str | None = None  # why nothing is served (torn weights), if so
     num_used_tokens: int = 0  # tokens with KV of the running requests
+    # Speculative decoding: verify forwards of decoding requests, drafts proposed, drafts accepted
+    num_spec_verifies: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_drafts: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,15 +263,19 @@ class _Step:
     input_ids: list[int]  # the chunks' tokens, packed
     # Prompt positions scored this step: (index into requests, packed row, the prompt token it scores).
     scored: list[tuple[int, int, int]]
+    drafts: list[int]  # per chunk: draft tokens it verifies (its last ones; speculative decoding), else 0
 
 
 @dataclass(frozen=True, slots=True)
 class _StepResult:
-    tokens: list[int]  # one per sampled chunk
-    logprobs: list[float]
-    top: list[TopLogprobs | None]  # per sampled chunk: the k most likely tokens, when its request asked
+    # Per sampled chunk: the tokens it emits (one; with drafts, the accepted ones and one more), the
+    # log-prob of each and, when its request asked, the k most likely tokens at each.
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    top: list[list[TopLogprobs | None]]
     scored_logprobs: list[float]  # one per _Step.scored row
     scored_top: list[TopLogprobs | None]
+    hidden: list[torch.Tensor | None]  # per sampled chunk: the policy's hidden state at its last kept position
 
 
 def _top(logp_RV: torch.Tensor, ks: list[int]) -> list[TopLogprobs | None]:
@@ -296,6 +318,14 @@ class Engine:
                 raise ValueError(f"EngineConfig.batch_invariant needs a model with set_batch_invariant "
                                  f"(miles_async.models.CausalLM), got {type(model).__name__}")
             model.set_batch_invariant(True)
+        self._speculative = config.speculative_tokens
+        if self._speculative:  # the draft head's weights are then part of every update
+            if not (hasattr(model, "add_draft_head") and hasattr(model, "model") and hasattr(model, "lm_head")):
+                raise ValueError(f"EngineConfig.speculative_tokens needs a model with a draft head "
+                                 f"(miles_async.models.CausalLM), got {type(model).__name__}")
+            compute.run_sync(model.add_draft_head)
+        elif getattr(model, "mtp", None) is not None:  # a checkpoint's draft head, unused: not held, not updated
+            model.mtp = None
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config
@@ -509,7 +539,8 @@ class Engine:
             output_token_logprobs=list(state.output_logprobs) if state.return_logprob else None,
             routed_experts_TLk=state.routed_experts_TLk if finished else None,
             e2e_latency_s=(state.finished_s if finished else time.perf_counter()) - state.created_s,
-            **self._logprob_fields(state))
+            spec_verify_ct=state.spec_verify_ct, spec_draft_tokens=state.spec_draft_tokens,
+            spec_accepted_drafts=state.spec_accepted_drafts, **self._logprob_fields(state))
 
     @staticmethod
     def _logprob_fields(state: Request) -> dict[str, Any]:
@@ -640,10 +671,17 @@ class Engine:
         `weight_version`: an integer (or its text) newer than the engine's, or a name (the next
         integer); an older one raises StaleVersionError (a ValueError) before anything is
         written, as does a wrong name or shape. The prefix cache is flushed (its KV came from
-        the old weights); running requests continue on their existing KV.
+        the old weights); running requests continue on their existing KV. A speculating engine
+        keeps its draft head's weights when the update has none (a checkpoint without a draft head);
+        another ignores a draft head's weights.
         """
         version, label = parse_version(weight_version, self.weights.version)
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        if not self._speculative:  # a draft head's weights (models/draft.py): for speculating engines only
+            items = [(name, tensor) for name, tensor in items if not name.startswith(DRAFT_PREFIX)]
+        elif not has_draft(name for name, _ in items):
+            items += [(f"{DRAFT_PREFIX}{name}", tensor.detach().clone())
+                      for name, tensor in self.model.mtp.state_dict().items()]
         async with self._lock:
             self.weights.check_newer(version)
             self.weights.check(items)  # every name and shape checked before begin() tears anything
@@ -745,7 +783,9 @@ class Engine:
             num_retractions=self._counters["retractions"], num_free_blocks=self.cache.num_free,
             num_cached_blocks=len(self.cache.tree), num_blocks=self.cache.num_blocks,
             weight_version=self.weight_version, paused=self._paused, weights_error=self.weights.serving_error(),
-            num_used_tokens=sum(r.num_computed for r in self._running))
+            num_used_tokens=sum(r.num_computed for r in self._running),
+            num_spec_verifies=self._counters["spec_verifies"], num_draft_tokens=self._counters["draft_tokens"],
+            num_accepted_drafts=self._counters["accepted_drafts"])
 
     # ----- the loop -----
 
@@ -776,7 +816,7 @@ class Engine:
         if self._paused not in (None, "wait") or self.weights.serving_error() is not None or self.cache.released:
             return None
         budget = self.config.max_prefill_tokens
-        chosen: list[tuple[Request, int]] = []
+        chosen: list[tuple[Request, int, int]] = []  # (request, tokens it computes, drafts among them)
         for request in list(self._running):
             if request.phase is not Phase.RUNNING or not self._schedulable(request):
                 continue  # retracted earlier in this loop
@@ -785,7 +825,8 @@ class Engine:
             if count == 0:
                 continue
             if self._grow(request, request.num_computed + count):
-                chosen.append((request, count))
+                drafts = self._num_drafts(request) if pending == 1 and self._speculative else 0
+                chosen.append((request, count + drafts, drafts))
                 budget -= count if pending > 1 else 0
         while self._waiting and budget > 0 and len(self._running) < self.config.max_running_requests:
             request = self._waiting[0]
@@ -794,22 +835,44 @@ class Engine:
             self._waiting.popleft()
             count = min(request.num_tokens - request.num_computed, budget)
             budget -= count
-            chosen.append((request, count))
+            chosen.append((request, count, 0))
         if not chosen:
             return None
-        chunks = [ScheduledChunk(r.blocks, r.num_computed, n) for r, n in chosen]
+        chunks = [ScheduledChunk(r.blocks, r.num_computed, n) for r, n, _ in chosen]
         ids: list[int] = []
         scored: list[tuple[int, int, int]] = []
-        for i, (request, count) in enumerate(chosen):
+        for i, (request, count, drafts) in enumerate(chosen):
             start = request.num_computed
             position = request.next_scored_position()
             if position is not None:  # prompt positions to score: [position, len(prompt) - 1) within the chunk
                 assert start <= position, "admission never takes a position to score from the prefix cache"
                 end = min(start + count, len(request.prompt_ids) - 1)
                 scored.extend((i, len(ids) + p - start, request.prompt_ids[p + 1]) for p in range(position, end))
-            ids.extend(request.all_ids[start:start + count])
-        return _Step(requests=[r for r, _ in chosen], chunks=chunks,
-                     sampled=[r.num_computed + n == r.num_tokens for r, n in chosen], input_ids=ids, scored=scored)
+            ids.extend(request.all_ids[start:start + count - drafts])
+            ids.extend([0] * drafts)  # the drafts' places: _execute drafts them first
+        return _Step(requests=[r for r, _, _ in chosen], chunks=chunks,
+                     sampled=[r.num_computed + n - d == r.num_tokens for r, n, d in chosen], input_ids=ids,
+                     scored=scored, drafts=[d for _, _, d in chosen])
+
+    def _num_drafts(self, request: Request) -> int:
+        """How many tokens to draft for a decoding request this step: `speculative_tokens`, less
+        what its max_new_tokens and the context length leave (the verify emits drafts + 1 tokens,
+        at positions up to num_computed + drafts), less what its KV blocks and the free blocks hold
+        (drafting never evicts the prefix cache nor retracts anyone). 0 before its first sampled
+        step has left it a hidden state."""
+        if request.draft_hidden is None:
+            return 0
+        drafts = min(self._speculative, request.params.max_new_tokens - len(request.output_ids) - 1,
+                     self.max_seq_len - 1 - request.num_computed)
+        if drafts <= 0:
+            return 0
+        extra = self.cache.blocks_for(request.num_computed + 1 + drafts) - len(request.blocks)
+        if extra > 0:
+            if extra <= self.cache.num_free:
+                request.blocks.extend(self.cache.allocate(extra))
+            else:
+                drafts = len(request.blocks) * self.cache.block_size - request.num_computed - 1
+        return max(drafts, 0)
 
     def _grow(self, request: Request, num_tokens: int) -> bool:
         """Give a running request blocks for num_tokens, retracting newer requests if memory is short.
@@ -899,14 +962,20 @@ class Engine:
         with torch.inference_mode():
             plan = build_plan(step.chunks, self.cache.block_size, device, per_token=self._fused)
             rows = [i for i, s in enumerate(step.sampled) if s]
-            rows_X = torch.tensor([plan.last_rows[i] for i in rows] + [row for _, row, _ in step.scored],
+            # The packed rows whose logits are needed: each sampled chunk's last one (a speculating
+            # chunk's last drafts + 1: x_n and its drafts), then the scored prompt positions.
+            sampled_rows = [list(range(plan.last_rows[i] - step.drafts[i], plan.last_rows[i] + 1)) for i in rows]
+            rows_X = torch.tensor([row for chunk in sampled_rows for row in chunk] + [row for _, row, _ in step.scored],
                                   dtype=torch.long, device=device)
-            logits_XV, experts_L1Tk = self._forward(
-                torch.tensor([step.input_ids], dtype=torch.long, device=device), plan, rows_X)
+            ids_1T = torch.tensor([step.input_ids], dtype=torch.long, device=device)
+            speculating = [r for r, i in enumerate(rows) if step.drafts[i]]  # indices into rows
+            drafted = self._draft(step, [rows[r] for r in speculating], plan, ids_1T) if speculating else None
+            logits_XV, experts_L1Tk, hidden_XD = self._forward(ids_1T, plan, rows_X)
             if experts_L1Tk is not None:
                 self.cache.enable_expert_capture(experts_L1Tk.shape[0], experts_L1Tk.shape[-1])
                 self.cache.expert_slots_TLk[plan.write_slots_T] = experts_L1Tk[:, 0].transpose(0, 1).to(torch.int32)
-            logits_RV, logits_SV = logits_XV[:len(rows)], logits_XV[len(rows):]
+            num_sampled = sum(len(chunk) for chunk in sampled_rows)
+            logits_RV, logits_SV = logits_XV[:num_sampled], logits_XV[num_sampled:]
             scored_logprobs: list[float] = []
             scored_top: list[TopLogprobs | None] = []
             if step.scored:
@@ -915,30 +984,81 @@ class Engine:
                 scored_logprobs = logp_SV.gather(1, targets_S[:, None]).squeeze(1).tolist()
                 scored_top = _top(logp_SV, [step.requests[i].top_logprobs_num for i, _, _ in step.scored])
             if not rows:
-                return _StepResult([], [], [], scored_logprobs, scored_top)
+                return _StepResult([], [], [], scored_logprobs, scored_top, [])
             picked = [step.requests[i] for i in rows]
-            tokens_R, logprobs_R = sample(logits_RV, [r.params for r in picked], [r.generator for r in picked],
-                                          self._shared_generator, fused=self._fused)
-            return _StepResult(tokens_R.tolist(), logprobs_R.tolist(), self._output_top(logits_RV, picked),
-                               scored_logprobs, scored_top)
+            starts = list(itertools.accumulate((len(chunk) for chunk in sampled_rows), initial=0))
+            tokens: list[list[int]] = [[] for _ in rows]
+            logprobs: list[list[float]] = [[] for _ in rows]
+            kept = [start for start in starts[:-1]]  # per sampled chunk: its row (in logits_RV) of the last kept position
+            plain = [r for r in range(len(rows)) if not step.drafts[rows[r]]]
+            if plain:
+                plain_R = torch.tensor([starts[r] for r in plain], dtype=torch.long, device=device)
+                tokens_P, logprobs_P = sample(logits_RV[plain_R], [picked[r].params for r in plain],
+                                              [picked[r].generator for r in plain], self._shared_generator,
+                                              fused=self._fused)
+                for r, token, logprob in zip(plain, tokens_P.tolist(), logprobs_P.tolist()):
+                    tokens[r], logprobs[r] = [token], [logprob]
+            if drafted is not None:
+                verdict = self._verify(logits_RV, [sampled_rows[r] for r in speculating],
+                                       [starts[r] for r in speculating], [picked[r] for r in speculating], drafted)
+                for r, emitted, emitted_logprobs in zip(speculating, verdict.tokens, verdict.logprobs):
+                    tokens[r], logprobs[r] = emitted, emitted_logprobs
+                    kept[r] = starts[r] + len(emitted) - 1
+            top = self._output_top(logits_RV, picked, [[start + j for j in range(len(t))]
+                                                       for start, t in zip(starts, tokens)])
+            hidden: list[torch.Tensor | None] = [None] * len(rows)
+            if self._speculative and hidden_XD is not None:  # what the next step drafts from
+                kept_D = hidden_XD[torch.tensor(kept, dtype=torch.long, device=device)]
+                hidden = list(kept_D.unbind(0))
+            return _StepResult(tokens, logprobs, top, scored_logprobs, scored_top, hidden)
+
+    def _draft(self, step: _Step, chunks: list[int], plan: StepPlan, ids_1T: torch.Tensor) -> speculative.Drafts:
+        """Draft the speculating chunks' tokens with the draft head, from each request's kept
+        hidden state and its last token, and write them into their places in `ids_1T`."""
+        requests = [step.requests[i] for i in chunks]
+        num_drafts = max(step.drafts[i] for i in chunks)
+        hidden_SD = torch.stack([r.draft_hidden for r in requests])  # type: ignore[misc]
+        last_S = torch.tensor([r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in requests],
+                              dtype=torch.long, device=self.device)
+        drafts = speculative.draft(self.model, hidden_SD, last_S, num_drafts, [r.params for r in requests],
+                                   [r.generator for r in requests], self._shared_generator)
+        for s, i in enumerate(chunks):
+            d = step.drafts[i]
+            ids_1T[0, plan.last_rows[i] - d + 1:plan.last_rows[i] + 1] = drafts.tokens_SK[s, :d]
+        return drafts
+
+    def _verify(self, logits_RV: torch.Tensor, chunk_rows: list[list[int]], starts: list[int],
+                requests: list[Request], drafts: speculative.Drafts) -> speculative.Verdict:
+        """The speculating chunks' verdicts (engine/speculative.py) from their rows of the verify's logits."""
+        width = drafts.tokens_SK.shape[1] + 1
+        index = [[start + min(j, len(rows) - 1) for j in range(width)] for start, rows in zip(starts, chunk_rows)]
+        logits_SKV = logits_RV[torch.tensor(index, dtype=torch.long, device=self.device)]
+        return speculative.verify(logits_SKV, drafts, [len(rows) - 1 for rows in chunk_rows],
+                                  [r.params for r in requests], [r.generator for r in requests],
+                                  self._shared_generator, fused=self._fused)
 
     @staticmethod
-    def _output_top(logits_RV: torch.Tensor, picked: list[Request]) -> list[TopLogprobs | None]:
-        """The k most likely next tokens of the rows whose request asked, under the distribution the
-        sampler took the chosen token's log-prob from (greedy: the model's; else temperature and
-        top-k/top-p applied), so a chosen token in the top k shows the same log-prob in both."""
-        asked = [i for i, r in enumerate(picked) if r.top_logprobs_num]
-        top: list[TopLogprobs | None] = [None] * len(picked)
-        for i in asked:
-            params = picked[i].params
-            row_1V = logits_RV[i:i + 1].float()
-            logp_1V = torch.log_softmax(row_1V, dim=-1) if params.greedy else filtered_log_probs(row_1V, [params])
-            top[i] = _top(logp_1V, [picked[i].top_logprobs_num])[0]
+    def _output_top(logits_RV: torch.Tensor, picked: list[Request],
+                    emitted_rows: list[list[int]]) -> list[list[TopLogprobs | None]]:
+        """Per request, per token it emits (at the rows `emitted_rows` of `logits_RV`), the k most
+        likely next tokens if it asked, under the distribution the sampler took the chosen token's
+        log-prob from (greedy: the model's; else temperature and top-k/top-p applied), so a chosen
+        token in the top k shows the same log-prob in both."""
+        top: list[list[TopLogprobs | None]] = [[None] * len(rows) for rows in emitted_rows]
+        for i, request in enumerate(picked):
+            if not request.top_logprobs_num:
+                continue
+            params = request.params
+            for j, row in enumerate(emitted_rows[i]):
+                row_1V = logits_RV[row:row + 1].float()
+                logp_1V = torch.log_softmax(row_1V, dim=-1) if params.greedy else filtered_log_probs(row_1V, [params])
+                top[i][j] = _top(logp_1V, [request.top_logprobs_num])[0]
         return top
 
     def _forward(self, input_ids_1T: torch.Tensor, plan: StepPlan,
-                 rows_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits of the packed rows `rows_R` only, and the routed experts of every token (MoE).
+                 rows_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Logits of the packed rows `rows_R` only, the routed experts of every token (MoE), and the
+        final hidden states of the rows (what the draft head reads; None for a model without a backbone).
 
         CausalLM exposes its backbone (`model.model`, final hidden states) for exactly this: a
         prefill chunk needs the vocabulary projection of its last token only, not of all of them.
@@ -949,10 +1069,11 @@ class Engine:
         backbone, lm_head = getattr(self.model, "model", None), getattr(self.model, "lm_head", None)
         if backbone is not None and lm_head is not None:
             h_1TD, used = backbone(input_ids_1T, positions_1T, attn, None)
-            return lm_head(h_1TD[0, rows_R]), (torch.stack(used) if used else None)
+            h_RD = h_1TD[0, rows_R]
+            return lm_head(h_RD), (torch.stack(used) if used else None), h_RD
         out = self.model(input_ids_1T, positions_1T, attn=attn, return_routed_experts=self.is_moe)
         logits_1TV, experts_L1Tk = out if isinstance(out, tuple) else (out, None)
-        return logits_1TV[0, rows_R], experts_L1Tk
+        return logits_1TV[0, rows_R], experts_L1Tk, None
 
     def _apply(self, step: _Step, result: _StepResult) -> None:
         self._counters["steps"] += 1
@@ -961,13 +1082,21 @@ class Engine:
             request.input_logprobs.append(logprob)
             if top is not None:
                 request.input_top.append(top)
-        picked = iter(zip(result.tokens, result.logprobs, result.top))
-        for request, chunk, sampled in zip(step.requests, step.chunks, step.sampled):
+        picked = iter(zip(result.tokens, result.logprobs, result.top, result.hidden))
+        for request, chunk, sampled, drafts in zip(step.requests, step.chunks, step.sampled, step.drafts):
             assert request.phase is Phase.RUNNING, "requests change phase only under the engine lock"
-            request.num_computed += chunk.num_tokens
+            request.num_computed += chunk.num_tokens - drafts  # the drafts kept are counted as they are emitted
             if not sampled:
                 continue
-            token, logprob, top = next(picked)
+            tokens, logprobs, tops, hidden = next(picked)
+            request.draft_hidden = hidden
+            if self._speculative and not request.prefilling:
+                request.spec_verify_ct += 1
+                request.spec_draft_tokens += drafts
+                request.spec_accepted_drafts += len(tokens) - 1
+                self._counters["spec_verifies"] += 1
+                self._counters["draft_tokens"] += drafts
+                self._counters["accepted_drafts"] += len(tokens) - 1
             if request.prefilling:
                 # The prompt (or a re-prefill after retraction) is complete: share its full blocks now.
                 request.prefilling = False
@@ -976,24 +1105,32 @@ class Engine:
             if request.params.max_new_tokens == 0:  # prefill only, for the prompt's log-probs (SGLang's scoring)
                 self._finish(request, {"type": "length", "length": 0})
                 continue
-            if top is not None:
-                request.output_top.append(top)
-            request.output_ids.append(token)
-            request.output_logprobs.append(logprob)
-            if (request.weight_versions and request.weight_versions[-1] == self.weights.version
-                    and request.version_labels[-1] == self.weights.label):
-                request.version_counts[-1] += 1
-            else:  # the first token, or the first after a weight update (a partial rollout spans it)
-                request.weight_versions.append(self.weights.version)
-                request.version_labels.append(self.weights.label)
-                request.version_counts.append(1)
-            self._counters["generated_tokens"] += 1
-            reason = stop_reason(request, token, self.tokenizer)
-            if reason is not None:
-                self._finish(request, reason)
+            for j, (token, logprob, top) in enumerate(zip(tokens, logprobs, tops)):
+                if j:  # an accepted draft before this token: its KV (written by the verify) is kept
+                    request.num_computed += 1
+                reason = self._emit(request, token, logprob, top)
+                if reason is not None:  # the rest of what the verify accepted is dropped
+                    self._finish(request, reason)
+                    break
             else:
                 request.updated.set()
         self._progress.set()
+
+    def _emit(self, request: Request, token: int, logprob: float, top: TopLogprobs | None) -> dict[str, Any] | None:
+        """Append one output token to a request; the finish reason it causes, if any."""
+        if top is not None:
+            request.output_top.append(top)
+        request.output_ids.append(token)
+        request.output_logprobs.append(logprob)
+        if (request.weight_versions and request.weight_versions[-1] == self.weights.version
+                and request.version_labels[-1] == self.weights.label):
+            request.version_counts[-1] += 1
+        else:  # the first token, or the first after a weight update (a partial rollout spans it)
+            request.weight_versions.append(self.weights.version)
+            request.version_labels.append(self.weights.label)
+            request.version_counts.append(1)
+        self._counters["generated_tokens"] += 1
+        return stop_reason(request, token, self.tokenizer)
 
     def _finish(self, request: Request, reason: dict[str, Any]) -> None:
         if request.phase is Phase.FINISHED:

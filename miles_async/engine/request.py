@@ -78,6 +78,11 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     input_token_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[TopLogprobs | None] | None = None
     output_top_logprobs: list[TopLogprobs] | None = None
+    # Speculative decoding (an engine with speculative_tokens): decoding steps (SGLang's
+    # `spec_verify_ct`), draft tokens proposed and accepted. Accept length: completion_tokens / spec_verify_ct.
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_drafts: int = 0
 
 
 class Phase(enum.Enum):
@@ -119,6 +124,12 @@ class Request:
     phase: Phase = Phase.WAITING
     finish_reason: dict[str, Any] | None = None
     routed_experts_TLk: torch.Tensor | None = None
+    # Speculative decoding: the policy's final hidden state at the last position with KV (the
+    # draft head's input), and the counts SGLang reports: verify steps, drafts proposed, accepted.
+    draft_hidden: torch.Tensor | None = None
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_drafts: int = 0
     final_text: str | None = None
     created_s: float = field(default_factory=time.perf_counter)
     finished_s: float = 0.0

@@ -186,9 +186,17 @@ def _sample_rows(logits_RV: torch.Tensor, params: Sequence[SamplingParams],
         best_R = logp_RV.argmax(dim=-1)
         return best_R, logp_RV.gather(1, best_R[:, None]).squeeze(1)
     logp_RV = filtered_log_probs(logits_RV, params)
-    noise_RV = _exponential_noise(logp_RV.shape, generators, shared_generator, logits_RV.device)
-    picked_R = (logp_RV - noise_RV.log()).argmax(dim=-1)  # log p - log E: the race in log space
+    picked_R = race(logp_RV, generators, shared_generator)
     return picked_R, logp_RV.gather(1, picked_R[:, None]).squeeze(1)
+
+
+def race(logp_RV: torch.Tensor, generators: Sequence[torch.Generator | None],
+         shared_generator: torch.Generator) -> torch.Tensor:
+    """One token per row drawn from the (unnormalised) distribution exp(logp_RV): the exponential
+    race, argmax of log p - log E with E ~ Exp(1), each row's noise from its own generator or the
+    shared one."""
+    noise_RV = _exponential_noise(logp_RV.shape, generators, shared_generator, logp_RV.device)
+    return (logp_RV - noise_RV.log()).argmax(dim=-1)  # log p - log E: the race in log space
 
 
 def filtered_log_probs(logits_SV: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -217,6 +225,15 @@ def _exponential_noise(
     device: torch.device,
 ) -> torch.Tensor:
     # Exp(1) as -log(U): torch's CPU `exponential_` took 556 us for [64, 512] here, `rand` 89 us.
+    uniform_SV = uniform(shape, generators, shared, device)
+    tiny = torch.finfo(uniform_SV.dtype).tiny
+    return uniform_SV.clamp_(min=tiny).log_().neg_().clamp_(min=tiny)
+
+
+def uniform(shape: torch.Size | tuple[int, int], generators: Sequence[torch.Generator | None],
+            shared: torch.Generator, device: torch.device | str) -> torch.Tensor:
+    """U(0, 1) of `shape` (rows, width): a row with a generator of its own draws from it, the
+    others from one draw of `shared`."""
     uniform_SV = torch.empty(shape, device=device)
     own = [i for i, g in enumerate(generators) if g is not None]
     rest = [i for i, g in enumerate(generators) if g is None]
@@ -224,5 +241,4 @@ def _exponential_noise(
         torch.rand(shape[1], generator=generators[i], out=uniform_SV[i])
     if rest:
         uniform_SV[rest] = torch.rand(len(rest), shape[1], generator=shared, device=device)
-    tiny = torch.finfo(uniform_SV.dtype).tiny
-    return uniform_SV.clamp_(min=tiny).log_().neg_().clamp_(min=tiny)
+    return uniform_SV

@@ -7,6 +7,7 @@ Tensor names are Hugging Face's and map one to one onto our modules. Two layouts
   (`mlp.experts.N.{gate,up,down}_proj.weight`), which is our layout; a fused layout
   (`mlp.experts.gate_up_proj` [E, 2F, D] and `mlp.experts.down_proj` [E, D, F], transformers 5's
   in-memory form) is split into per-expert tensors on load.
+A draft head (`mtp.*`, models/draft.py) in the checkpoint is loaded with the model.
 Anything else that is missing or left over is an error that names the tensors.
 
 The model is built on the meta device and the loaded tensors are assigned in, so loading costs
@@ -30,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from miles_async.models.config import ModelConfig
+from miles_async.models.draft import has_draft
 from miles_async.models.transformer import CausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -93,6 +95,8 @@ def load_pretrained(
     tensors = read_state_dict(path, dtype)
     with torch.device("meta"):
         model = CausalLM(config)
+        if has_draft(tensors):  # a draft head trained with the model (models/draft.py)
+            model.add_draft_head()
     shapes = {name: t.shape for name, t in model.state_dict().items()}
     expected = set(shapes)
     if config.tie_word_embeddings:

@@ -26,6 +26,7 @@ from torch import nn
 from miles_async.kernels import batch_invariant, cpu_kernels, onednn, quant
 from miles_async.models.attention import AttentionBackend, DenseCausalAttention
 from miles_async.models.config import ModelConfig
+from miles_async.models.draft import DraftHead
 from miles_async.models.lora import DEFAULT_TARGETS, lora_delta
 
 _DEQUANT_BLOCK_BYTES = 4 << 20  # Linear._dequantizing: the most full-precision weight made at once
@@ -317,7 +318,22 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp: DraftHead | None = None  # the draft head of speculative decoding (add_draft_head)
         self.set_batch_invariant(batch_invariant)
+
+    def add_draft_head(self) -> DraftHead:
+        """Give the model a draft head (`mtp.*`, models/draft.py) with its seeded first weights, on
+        the model's device and dtype, under the model's current modes; return it (the one it has, if
+        it has one)."""
+        if self.mtp is None:
+            weight = self.lm_head.weight
+            with torch.device(weight.device):
+                head = DraftHead(self.config).to(weight.dtype)
+            if weight.device.type != "meta":
+                head.reset_parameters()
+            self.mtp = head
+            self.set_batch_invariant(self.batch_invariant)
+        return self.mtp
 
     def prepack_weights(self, enabled: bool = True) -> None:
         """Give the linear layers prepacked copies of their weights (`kernels.onednn`), made from the
