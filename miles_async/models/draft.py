@@ -75,27 +75,28 @@ def has_draft(names: Iterable[str]) -> bool:
     return any(name.startswith(PREFIX) for name in names)
 
 
-def draft_loss(model: nn.Module, input_ids_T: torch.Tensor, h_TD: torch.Tensor, logits_TV: torch.Tensor,
-               mask_T: torch.Tensor, *, feature_coef: float = 0.1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The draft head's distillation loss on one packed row the policy ran (sum over positions):
-    at each t with mask_T[t + 2] set (a token the engine would have drafted: a sampled one whose
-    predecessor was sampled too, so both lie in one sample), the head reads the policy's h_t and
-    the embedding of token t+1, and is trained toward the policy's distribution at t+1 (forward KL
-    to softmax(logits_{t+1}), the token-level target) and its hidden state h_{t+1} (smooth L1 times
-    `feature_coef`, which is what lets the head chain its own guesses). Everything of the policy's
-    is detached: gradients reach the head alone (the embedding and lm_head it shares are not moved).
-    Returns (loss sum, KL sum, the number of positions where the head's argmax is the policy's)."""
+
+def draft_loss(model: nn.Module, h_PD: torch.Tensor, tokens_P: torch.Tensor, next_h_PD: torch.Tensor,
+               targets_P: torch.Tensor, *, feature_coef: float = 0.1,
+               chunk_tokens: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft head's loss over P positions where the engine would draft (summed): from the
+    policy's hidden state h_t and token t+1 (`tokens_P`), the head guesses g_{t+1}; the loss is the
+    cross-entropy of `lm_head(g_{t+1})` to token t+2 (`targets_P`, sampled from the policy: in
+    expectation the forward KL to the policy's distribution) plus `feature_coef` times a smooth-L1
+    pull of g_{t+1} toward the policy's h_{t+1} (what lets the head chain its own guesses, as the
+    engine does). Everything of the policy's is detached: the gradient reaches the head alone, not
+    the embedding and lm_head it shares. The vocabulary projection goes through the chunked
+    log-prob kernel (no [P, V] logits held). Returns (loss sum, cross-entropy sum, detached)."""
+    from miles_async.kernels.logprobs import token_logprobs_from_hidden
+
     head = model.mtp
     if head is None:
         raise ValueError("draft_loss needs a model with a draft head (CausalLM.add_draft_head)")
-    mask = mask_T[2:].bool()
-    h_PD, target_h_PD = h_TD[:-2][mask].detach(), h_TD[1:-1][mask].detach()
     with torch.no_grad():
-        e_PD = model.model.embed_tokens(input_ids_T[1:-1][mask])
-        logp_PV = torch.log_softmax(logits_TV[1:-1][mask].detach().float(), dim=-1)
-    g_PD = head(h_PD, e_PD)
-    logq_PV = torch.log_softmax(torch.nn.functional.linear(g_PD, model.lm_head.weight.detach()).float(), dim=-1)
-    kl_P = (logp_PV.exp() * (logp_PV - logq_PV)).sum(dim=-1)
-    feature_P = torch.nn.functional.smooth_l1_loss(g_PD.float(), target_h_PD.float(), reduction="none").mean(dim=-1)
-    agree = (logq_PV.argmax(dim=-1) == logp_PV.argmax(dim=-1)).sum()
-    return (kl_P + feature_coef * feature_P).sum(), kl_P.sum().detach(), agree
+        e_PD = model.model.embed_tokens(tokens_P)
+    g_PD = head(h_PD.detach(), e_PD)
+    logq_P, _ = token_logprobs_from_hidden(g_PD.float(), model.lm_head.weight.detach().float(), targets_P,
+                                           chunk_tokens=chunk_tokens)
+    feature_P = torch.nn.functional.smooth_l1_loss(g_PD.float(), next_h_PD.detach().float(),
+                                                   reduction="none").mean(dim=-1)
+    return (feature_coef * feature_P - logq_P).sum(), -logq_P.detach().sum()

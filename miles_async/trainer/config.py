@@ -97,6 +97,15 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # during a step; larger buckets mean fewer, larger I/O calls (at 64 MiB a 1B-parameter bf16
     # model's step ran at 1.25x the disk's bound, bench/optimizer.py).
     optimizer_bucket_mib: float = 64.0
+    # The draft head of speculative decoding (models/draft.py; rollout.engine.speculative_tokens):
+    # "none": the model has none; "online": it is trained in every step on the step's own samples
+    # (trainer/loss.py: cross-entropy to the sampled next token, plus draft_feature_coef times a
+    # smooth-L1 pull toward the policy's next hidden state), its gradient kept from the policy, and
+    # pushed with the policy's weights; "frozen": trained during an SFT warm start only, then pushed
+    # unchanged (a fixed draft, to compare with). The loss is weighted by draft_coef.
+    draft: Literal["none", "frozen", "online"] = "none"
+    draft_coef: float = 1.0
+    draft_feature_coef: float = 0.1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -126,5 +135,13 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"weight_bucket_bytes must be >= 1, got {self.weight_bucket_bytes}")
         if self.optimizer_offload not in ("none", "disk"):
             raise ValueError(f"optimizer_offload must be 'none' or 'disk', got {self.optimizer_offload!r}")
+        if self.draft not in ("none", "frozen", "online"):
+            raise ValueError(f"draft must be 'none', 'frozen' or 'online', got {self.draft!r}")
+        if self.draft != "none" and (self.draft_coef <= 0 or self.draft_feature_coef < 0):
+            raise ValueError(f"draft_coef must be > 0 and draft_feature_coef >= 0, got {self.draft_coef} and "
+                             f"{self.draft_feature_coef}")
+        if self.draft != "none" and self.lora.enabled:
+            raise ValueError("trainer.draft with LoRA is not supported (the engines' updates carry the adapters "
+                             "alone); set trainer.draft = 'none' or drop LoRA")
         if not (math.isfinite(self.optimizer_bucket_mib) and self.optimizer_bucket_mib > 0):
             raise ValueError(f"optimizer_bucket_mib must be a positive number of MiB, got {self.optimizer_bucket_mib}")

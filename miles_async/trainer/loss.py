@@ -39,13 +39,17 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 from miles_async.kernels import batch_invariant
 from miles_async.kernels.logprobs import token_logprobs_from_hidden
 from miles_async.models import CausalLM, DenseCausalAttention
+from miles_async.models.draft import draft_loss
 from miles_async.rl import METRIC_SUM_NAMES, metric_sums, policy_loss, sft_loss
 from miles_async.trainer.config import TrainerConfig
 from miles_async.trainer.packing import PackedBatch
 
 # After the rl metric sums: the step's aggregated loss and its parts (each already divided by the
 # step's denominator, so summing over micro-batches and ranks gives the step's values).
-LOSS_SUM_NAMES: tuple[str, ...] = (*METRIC_SUM_NAMES, "loss", "pg_loss", "kl")
+LOSS_SUM_NAMES: tuple[str, ...] = (*METRIC_SUM_NAMES, "loss", "pg_loss", "kl",
+                                   # the draft head's (trainer.draft): its loss (weighted, like the
+                                   # loss), its cross-entropy summed over drafted positions, their count
+                                   "draft_loss", "draft_ce_sum", "draft_positions")
 
 
 def mixed_precision(device: torch.device, compute_dtype: str) -> contextlib.AbstractContextManager[Any]:
@@ -61,14 +65,21 @@ def attach_logprobs(model: CausalLM, config: TrainerConfig) -> None:
 
     exact = config.batch_invariant
     compute_dtype = config.compute_dtype
+    feature_coef = config.draft_feature_coef
 
     def token_logprobs(self: CausalLM, input_ids_1R: torch.Tensor, positions_1R: torch.Tensor,
                        targets_S: torch.Tensor, routed_experts: torch.Tensor | None,
-                       branches_1R: torch.Tensor | None = None,
-                       rows_S: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       branches_1R: torch.Tensor | None = None, rows_S: torch.Tensor | None = None,
+                       draft: DraftPositions | None = None) -> tuple[torch.Tensor, ...]:
         attn = DenseCausalAttention(batch_invariant=exact, branches_BT=branches_1R)
         with mixed_precision(input_ids_1R.device, compute_dtype):
             h_1RD, _ = self.model(input_ids_1R, positions_1R, attn, routed_experts)
+        extra: tuple[torch.Tensor, ...] = ()
+        if draft is not None:  # the draft head's loss, from the same forward (models/draft.py)
+            h_RD = h_1RD[0]
+            extra = draft_loss(self, h_RD.index_select(0, draft.rows_P), draft.tokens_P,
+                               h_RD.index_select(0, draft.next_rows_P), draft.targets_P,
+                               feature_coef=feature_coef, chunk_tokens=chunk_tokens)
         # The vocabulary projection and its log-softmax in fp32 (a no-op in fp32), for the rows asked for.
         h_SD = (h_1RD[0] if rows_S is None else h_1RD[0].index_select(0, rows_S)).float()
         if exact:  # the engine's own arithmetic: full logits, log_softmax, gather
@@ -81,7 +92,7 @@ def attach_logprobs(model: CausalLM, config: TrainerConfig) -> None:
                                                            bf16_matmuls=compute_dtype == "bfloat16")
         # The kernel returns views (a reshape); FSDP2 hooks its pre-backward on the outputs and
         # warns about views, so hand it fresh tensors ([T] floats: nothing to speak of).
-        return logp_S.clone(), entropy_S.clone()
+        return (logp_S.clone(), entropy_S.clone(), *extra)
 
     # An instance method (models/ has no such method); FSDP2 then wraps it with its forward hooks.
     # The type: ignores here and in micro_batch_loss: torch's stubs type the attributes a Module
@@ -91,9 +102,36 @@ def attach_logprobs(model: CausalLM, config: TrainerConfig) -> None:
 
 
 @dataclass(frozen=True)
+class DraftPositions:
+    """Where the draft head is trained in a packed micro-batch (P positions t, each inside one
+    sample, whose tokens t+1 and t+2 were both sampled: where an engine drafts): the rows of h_t and
+    h_{t+1}, token t+1 and token t+2."""
+
+    rows_P: torch.Tensor
+    next_rows_P: torch.Tensor
+    tokens_P: torch.Tensor
+    targets_P: torch.Tensor
+
+    @classmethod
+    def of(cls, batch: PackedBatch, device: torch.device) -> DraftPositions:
+        """From the slots: slot s - 1 and slot s both trained, in one sample (a slot's target is the
+        token after it, so slot s - 1 reads h_t with target t+1 and slot s reads h_{t+1})."""
+        mask_T, sample_T = batch.loss_mask_T > 0, batch.sample_T
+        slots_P = torch.nonzero(mask_T[1:] & mask_T[:-1] & (sample_T[1:] == sample_T[:-1])).reshape(-1) + 1
+        rows_T = torch.arange(len(mask_T)) if batch.hidden_rows_T is None else batch.hidden_rows_T
+        return cls(rows_P=rows_T[slots_P - 1].to(device), next_rows_P=rows_T[slots_P].to(device),
+                   tokens_P=batch.targets_T[slots_P - 1].to(device), targets_P=batch.targets_T[slots_P].to(device))
+
+
+@dataclass(frozen=True)
 class MicroBatchLoss:
-    loss: torch.Tensor  # with gradient, already divided by the step's denominator
+    loss: torch.Tensor  # with gradient, already divided by the step's denominator (with the draft head's term)
     sums_K: torch.Tensor  # float64, in the order of LOSS_SUM_NAMES
+
+
+def trains_draft(config: TrainerConfig) -> bool:
+    """Whether this step trains the draft head: always when "online", during SFT when "frozen"."""
+    return config.draft == "online" or (config.draft == "frozen" and config.objective == "sft")
 
 
 def micro_batch_loss(model: nn.Module, batch: PackedBatch, config: TrainerConfig, denominator: float,
@@ -110,9 +148,10 @@ def micro_batch_loss(model: nn.Module, batch: PackedBatch, config: TrainerConfig
         slots_S = slots_S.new_zeros(1)  # a padding micro-batch still runs the model's collectives
     rows_S = slots_S if batch.hidden_rows_T is None else batch.hidden_rows_T[slots_S]
     slots_S = slots_S.to(device)
-    logp_S, entropy_S = model.token_logprobs(  # type: ignore[operator]  # the method attach_logprobs set
+    draft = DraftPositions.of(batch, device) if trains_draft(config) else None
+    logp_S, entropy_S, *draft_out = model.token_logprobs(  # type: ignore[operator]  # the method attach_logprobs set
         batch.input_ids_1R.to(device), batch.positions_1R.to(device), batch.targets_T.to(device)[slots_S],
-        experts, None if batch.branches_1R is None else batch.branches_1R.to(device), rows_S.to(device))
+        experts, None if batch.branches_1R is None else batch.branches_1R.to(device), rows_S.to(device), draft)
     logp_T = rollout_T.index_put((slots_S,), logp_S)
     entropy_T = rollout_T.new_zeros(rollout_T.shape).index_put((slots_S,), entropy_S)
     seq_ids_T = batch.sample_T.to(device)
@@ -138,5 +177,12 @@ def micro_batch_loss(model: nn.Module, batch: PackedBatch, config: TrainerConfig
         parts = (out.pg_loss, out.kl)
     sums_K = metric_sums(trainer_logp_T=logp_T.detach(), rollout_logp_T=rollout_T, loss_mask_T=mask_T, loss=out,
                          entropy_T=entropy_T.detach(), teacher_logp_T=teacher_T)
-    extra_K = torch.stack([loss.detach(), *parts]).double()
-    return MicroBatchLoss(loss=loss, sums_K=torch.cat([sums_K, extra_K]))
+    draft_parts = (zero, zero, zero)
+    total = loss
+    if draft is not None:  # a term of its own: the policy's parameters get no gradient from it
+        draft_sum, ce_sum = draft_out
+        draft_term = draft_sum * (config.draft_coef / denominator)
+        total = loss + draft_term
+        draft_parts = (draft_term.detach(), ce_sum, zero + draft.targets_P.numel())
+    extra_K = torch.stack([loss.detach(), *parts, *draft_parts]).double()
+    return MicroBatchLoss(loss=total, sums_K=torch.cat([sums_K, extra_K]))

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from miles_async.models import load_pretrained
+from miles_async.models.draft import PREFIX as DRAFT_PREFIX
 from miles_async.models.lora import add_lora, lora_delta
 from miles_async.rl import METRIC_SUM_NAMES, RLMetrics
 from miles_async.trainer import checkpoint
@@ -73,6 +74,10 @@ class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
     pg_loss: float = 0.0
     kl: float = 0.0  # to the reference log-probs (0 unless kl_coef > 0)
     num_forward_tokens: int = 0  # tokens the model ran: num_tokens less the shared prefixes' repeats
+    # The draft head's (trainer.draft), when this step trained it: its term of the loss (not in
+    # `loss`), and its mean cross-entropy to the sampled tokens it would have drafted
+    draft_loss: float = 0.0
+    draft_ce: float = 0.0
 
 
 class WeightBucket(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,6 +113,10 @@ class Trainer:
         if not config.model_dir:
             raise ValueError("TrainerConfig.model_dir is empty: give the folder of the model to train")
         model = load_pretrained(config.model_dir, dtype=DTYPES[config.dtype], device=device)
+        if config.draft != "none":  # the draft head (its weights from the checkpoint if it has them, else seeded)
+            model.add_draft_head()
+        else:  # a checkpoint's draft head, unused: not trained, not pushed
+            model.mtp = None
         # LoRA: adapters (seeded) on the projections, the base frozen (models/lora.py)
         self.lora_modules = frozenset(add_lora(model, config.lora, generator=torch.Generator().manual_seed(
             config.seed)) if config.lora.enabled else ())
@@ -161,7 +170,12 @@ class Trainer:
         sums_K[len(LOSS_SUM_NAMES):] = torch.tensor(
             [len(samples), sum(d.num_tokens for d in data), sum(trained_tokens(s) for s in samples),
              sum(s.reward for s in samples), forward_tokens], dtype=torch.float64)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        # The draft head's gradient is clipped on its own: the policy's update is the same with or without it.
+        draft_params = [p for name, p in self.model.named_parameters() if name.startswith(DRAFT_PREFIX)]
+        policy_params = [p for name, p in self.model.named_parameters() if not name.startswith(DRAFT_PREFIX)]
+        norm = torch.nn.utils.clip_grad_norm_(policy_params, self.config.grad_clip)
+        if draft_params:
+            torch.nn.utils.clip_grad_norm_(draft_params, self.config.grad_clip)
         grad_norm = float(full_tensor(norm))
         # A non-finite gradient (same on every rank: the norm is reduced) skips the update.
         skipped = not math.isfinite(grad_norm)
@@ -179,7 +193,7 @@ class Trainer:
         elapsed_s = time.perf_counter() - start
         num_rl = len(METRIC_SUM_NAMES)
         rl = RLMetrics.from_sums(sums_K[:num_rl])
-        loss, pg_loss, kl = sums_K[num_rl:len(LOSS_SUM_NAMES)].tolist()
+        loss, pg_loss, kl, draft_loss, draft_ce_sum, draft_positions = sums_K[num_rl:len(LOSS_SUM_NAMES)].tolist()
         num_samples, num_tokens, num_trained, reward_sum, num_forward = sums_K[len(LOSS_SUM_NAMES):].tolist()
         return StepMetrics(
             step=self.step, weight_version=self.weight_version, loss=loss, grad_norm=grad_norm,
@@ -189,13 +203,14 @@ class Trainer:
             elapsed_s=elapsed_s, skipped=skipped, rollout_kl_k3=rl.rollout_kl_k3, clip_fraction=rl.clip_fraction,
             dual_clip_fraction=rl.dual_clip_fraction, tis_truncated_fraction=rl.tis_truncated_fraction,
             entropy=rl.entropy, pg_loss=pg_loss, kl=kl, num_forward_tokens=int(num_forward), teacher_kl=rl.teacher_kl,
-            mis_masked_fraction=rl.mis_masked_fraction)
+            mis_masked_fraction=rl.mis_masked_fraction, draft_loss=draft_loss,
+            draft_ce=draft_ce_sum / draft_positions if draft_positions else 0.0)
 
     def eval_loss(self, samples: list[Trajectory], *, num_micro_batches: int, denominator: float) -> float:
         """The SFT loss of this rank's share at the current weights, summed over ranks (a collective
         when world_size > 1); no gradient, no update. The same number a train step on the same
         share would report as its loss before updating."""
-        config = msgspec.structs.replace(self.config, objective="sft")
+        config = msgspec.structs.replace(self.config, objective="sft", draft="none")
         data = self._check_share(samples, [0.0] * len(samples), config)
         total = torch.zeros((), dtype=torch.float64)
         with torch.no_grad():

@@ -41,26 +41,27 @@ def _prompts(count: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def drafted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with a draft head distilled on 96 of its own samples (temperature 1, top-k 8)."""
+    """The tiny model with a draft head distilled on 192 of its own samples (half at temperature 1
+    with top-k 8, half greedy)."""
     root = tmp_path_factory.mktemp("spec")
     folder = init_model("qwen3", "tiny", root / "policy")
     model = load_pretrained(folder)
-    params = SamplingParams(temperature=1.0, top_k=8, max_new_tokens=32, ignore_eos=True)
-    outs, _ = asyncio.run(_generate(folder, [GenerateRequest(input_ids=p, sampling_params=params)
-                                             for p in _prompts(96, model.config.vocab_size, seed=7)]))
-    seqs = torch.tensor([p + o.output_ids for p, o in zip(_prompts(96, model.config.vocab_size, seed=7), outs)])
+    prompts = _prompts(192, model.config.vocab_size, seed=7)
+    kinds = [SamplingParams(temperature=1.0, top_k=8, max_new_tokens=32, ignore_eos=True),
+             SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)]
+    outs, _ = asyncio.run(_generate(folder, [GenerateRequest(input_ids=p, sampling_params=kinds[i % 2])
+                                             for i, p in enumerate(prompts)]))
+    seqs = torch.tensor([p + o.output_ids for p, o in zip(prompts, outs)])
     head = model.add_draft_head()
     optimizer = torch.optim.Adam(head.parameters(), lr=3e-3)
-    mask = torch.zeros(seqs.shape[1], dtype=torch.long)
-    mask[PROMPT_LEN:] = 1
     with torch.no_grad():
         h_BTD, _ = model.model(seqs, torch.arange(seqs.shape[1]).expand_as(seqs), _dense(), None)
-        logits_BTV = model.lm_head(h_BTD)
-    # the rows end to end as one packed row: the mask keeps every position inside its own sample
-    packed = (seqs.reshape(-1), h_BTD.reshape(-1, h_BTD.shape[-1]), logits_BTV.reshape(-1, logits_BTV.shape[-1]),
-              mask.repeat(seqs.shape[0]))
+    # every position t whose token t+2 was sampled (and so t+1 too): h_t, token t+1, h_{t+1}, token t+2
+    t = torch.arange(PROMPT_LEN - 2, seqs.shape[1] - 2)
+    pairs = (h_BTD[:, t].reshape(-1, h_BTD.shape[-1]), seqs[:, t + 1].reshape(-1),
+             h_BTD[:, t + 1].reshape(-1, h_BTD.shape[-1]), seqs[:, t + 2].reshape(-1))
     for _ in range(150):
-        loss, _, _ = draft_loss(model, *packed)
+        loss, _ = draft_loss(model, *pairs)
         optimizer.zero_grad()
         (loss / seqs.numel()).backward()
         optimizer.step()
@@ -88,7 +89,7 @@ def test_greedy_outputs_and_logprobs_equal_the_non_speculative_engine(drafted: P
     tolerance = 0.0 if batch_invariant else 1e-5
     for a, b in zip(spec, plain):
         assert max(abs(x - y) for x, y in zip(a.output_token_logprobs, b.output_token_logprobs)) <= tolerance
-    assert stats.num_accepted_drafts > 0.3 * stats.num_draft_tokens, stats  # the accept path ran, a lot
+    assert stats.num_accepted_drafts > 0.15 * stats.num_draft_tokens, stats  # the accept path ran, often
     out = spec[0]
     assert out.spec_verify_ct > 0 and out.spec_accepted_drafts <= out.spec_draft_tokens
     assert out.completion_tokens == 40
