@@ -544,6 +544,7 @@ class Controller:
             "step": current.step, "wall_s": self._now(), "weight_version": self.version, "reward_mean": reward,
             "batch_reward_mean": statistics.fmean([s.reward for s in samples if s.scored] or [0.0]),
             "unscored_fraction": sum(not s.scored for s in samples) / len(samples),
+            **spec_metrics(samples), "draft_ce": metrics.draft_ce,
             "logprob_abs_diff": metrics.logprob_abs_diff, "staleness_mean": batch.metrics.drawn_staleness_mean,
             "staleness_max": batch.metrics.drawn_staleness_max,
             "waiting_staleness_mean": batch.metrics.waiting_staleness_mean, "num_samples": len(samples),
@@ -794,3 +795,13 @@ async def run_restarting(start: Callable[[bool], Controller], *, resume: bool, m
             await on_restart(restarts, e)
             continue
         return msgspec.structs.replace(result, restarts=restarts)
+
+
+def spec_metrics(samples: list[Trajectory]) -> dict[str, float]:
+    """Speculative decoding over a batch's samples (the engines' counts): the fraction of draft
+    tokens accepted, and tokens per decoding step (SGLang's accept length; 1 without speculation)."""
+    drafted = sum(s.spec_draft_tokens for s in samples)
+    steps = sum(s.spec_verify_ct for s in samples)
+    generated = sum(s.num_generated_tokens for s in samples if s.spec_verify_ct)
+    return {"spec_accept_rate": sum(s.spec_accepted_drafts for s in samples) / drafted if drafted else 0.0,
+            "spec_accept_length": generated / steps if steps else 1.0}

@@ -265,7 +265,8 @@ class EngineActor(Actor):
                             finish_reason=(out.finish_reason or {}).get("type") or "abort",
                             text=out.text or "", weight_versions=out.weight_versions,
                             routed_experts=_experts_bytes(out.routed_experts_TLk), prompt_tokens=out.prompt_tokens,
-                            cached_tokens=out.cached_tokens)
+                            cached_tokens=out.cached_tokens, spec_verify_ct=out.spec_verify_ct,
+                            spec_draft_tokens=out.spec_draft_tokens, spec_accepted_drafts=out.spec_accepted_drafts)
 
     @handler(concurrent=True)
     async def score(self, msg: ScoreTokens) -> list[float]:

@@ -210,6 +210,15 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         if backend == "embedded" and transport == "broadcast" and self.weights.backend == "nccl" and device == "cpu":
             raise ValueError('weights.backend = "nccl" moves GPU memory only, but rollout.engine.device = "cpu": set '
                              'it to "cuda" (or "auto"), or use weights.backend = "gloo"')
+        speculating = self.rollout.engine.speculative_tokens > 0
+        if speculating and backend != "embedded":
+            raise ValueError(f"rollout.engine.speculative_tokens is our embedded engine's speculative decoding; "
+                             f"rollout.backend is {backend!r}: give the server its own speculative options instead")
+        if speculating != (self.trainer.draft != "none"):
+            raise ValueError("rollout.engine.speculative_tokens > 0 drafts with a head the trainer trains and pushes: "
+                             "set trainer.draft = \"online\" (or \"frozen\")" if speculating else
+                             f"trainer.draft = {self.trainer.draft!r} trains a draft head for speculative decoding, "
+                             "but rollout.engine.speculative_tokens is 0: set it (e.g. 3) or trainer.draft = \"none\"")
         coef = self.trainer.policy_loss.distill_coef
         if self.teacher.enabled != (coef > 0):
             raise ValueError("[teacher] names a model but trainer.policy_loss.distill_coef is 0: set it > 0 (1.0 weighs "

@@ -303,7 +303,8 @@ class RolloutWorker(Actor):
         return Trajectory(**self._identity(msg, submit_s), finish_reason=finish, error=error, reward=reward,
                           versions=versions, num_tokens=num_prompt + num_out, num_prompt_tokens=num_prompt,
                           num_generated_tokens=num_out, prompt_tokens_sent=num_prompt, cached_tokens=out.cached_tokens,
-                          end_s=time.time(), data=data_ref)
+                          end_s=time.time(), data=data_ref, spec_verify_ct=out.spec_verify_ct,
+                          spec_draft_tokens=out.spec_draft_tokens, spec_accepted_drafts=out.spec_accepted_drafts)
 
     async def _episode(self, msg: Rollout, item: Any) -> Trajectory:
         """One agent episode in its own session (and sandbox); its trajectory is the sample."""

@@ -30,6 +30,7 @@ weight-streaming and compute bounds measured in the same run (bench/limits.py). 
     miles-async bench engine --json --num-requests 64 --max-output 128    # a quick look
     miles-async bench engine --vs-vllm --json                             # ~15 min on 2 cores
     miles-async bench engine --vs-vllm --json --dtype bfloat16 --models smollm2
+    miles-async bench engine --speculative --json                         # bench/engine_speculative.py
 """
 
 from __future__ import annotations
@@ -374,7 +375,23 @@ def main(argv: list[str] | None = None) -> int:
     versus.add_argument("--step-batches", type=_ints, default=[1, 16, 64],
                         help="SmolLM2's decode step times at these batch sizes, beside the machine's limits")
     versus.add_argument("--no-step-times", action="store_true", help="skip SmolLM2's decode step times")
+    spec = parser.add_argument_group("--speculative: with and without speculative decoding (bench/engine_speculative.py)")
+    spec.add_argument("--speculative", action="store_true", help="measure speculative decoding instead")
+    spec.add_argument("--spec-k", type=_ints, default=[3], help="draft tokens per step, e.g. 2,4")
+    spec.add_argument("--spec-batches", type=_ints, default=[1, 8, 64], help="requests at once, e.g. 1,8,64")
+    spec.add_argument("--spec-tokens", type=int, default=128, help="output tokens per request")
+    spec.add_argument("--spec-distill-steps", type=int, default=100, help="the draft head's offline training steps")
     args = parser.parse_args(argv)
+    if args.speculative:
+        from miles_async.bench.engine_speculative import measure as measure_speculative
+
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir, model = _write_model(os.path.join(tmp, "model"), args.seed)
+            result = measure_speculative(model_dir, ks=args.spec_k, batches=args.spec_batches,
+                                         output_tokens=args.spec_tokens, seed=args.seed, progress=_progress,
+                                         distill_steps=args.spec_distill_steps)
+        print(json.dumps({"model": model, **result}, indent=None if args.json else 1))
+        return 0
     if args.vs_vllm:
         models = [m for m in args.models.split(",") if m]
         if not models or any(m not in ("bench", "smollm2") for m in models):

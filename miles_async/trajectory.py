@@ -166,6 +166,10 @@ class Trajectory(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     submit_s: float = 0.0  # time.time() when sent to the engine (or the episode began)
     end_s: float = 0.0
     teacher_s: float = 0.0  # distillation: the teacher's scoring request, and the wait for a free request slot
+    # speculative decoding (the engine's counts for this sample): decoding steps, drafts proposed, accepted
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_drafts: int = 0
     teacher_wait_s: float = 0.0
     data: TokenData | BlobRef | None = None  # the arrays, inline or in the data plane; None: nothing generated
     # False: the environment gave no reward (OpenEnv's "unscored", never 0): `reward` is then

@@ -62,6 +62,11 @@ class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):
     routed_experts: bytes = b""
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # Speculative decoding: decoding steps (SGLang's `spec_verify_ct`), draft tokens proposed and
+    # accepted (our engine's `spec_draft_tokens` / `spec_accepted_drafts`); 0 without speculation.
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_drafts: int = 0
 
 
 def version_of(label: Any, default: int) -> int:
@@ -91,7 +96,10 @@ def parse_output(out: dict[str, Any], *, version: int) -> EngineOutput:
     return EngineOutput(output_ids=output_ids, output_logprobs=logprobs,
                         finish_reason=(meta.get("finish_reason") or {}).get("type", "abort"), weight_versions=spans,
                         text=out.get("text", ""), routed_experts=experts,
-                        prompt_tokens=int(meta.get("prompt_tokens", 0)), cached_tokens=int(meta.get("cached_tokens", 0)))
+                        prompt_tokens=int(meta.get("prompt_tokens", 0)), cached_tokens=int(meta.get("cached_tokens", 0)),
+                        spec_verify_ct=int(meta.get("spec_verify_ct", 0)),
+                        spec_draft_tokens=int(meta.get("spec_draft_tokens", 0)),
+                        spec_accepted_drafts=int(meta.get("spec_accepted_drafts", 0)))
 
 
 def bearer(api_key: str | None) -> dict[str, str] | None:

@@ -100,3 +100,31 @@ def draft_loss(model: nn.Module, h_PD: torch.Tensor, tokens_P: torch.Tensor, nex
     feature_P = torch.nn.functional.smooth_l1_loss(g_PD.float(), next_h_PD.detach().float(),
                                                    reduction="none").mean(dim=-1)
     return (feature_coef * feature_P - logq_P).sum(), -logq_P.detach().sum()
+
+
+def distill_head(model: nn.Module, sequences_BT: torch.Tensor, num_prompt_tokens: int, *, steps: int = 150,
+                 lr: float = 3e-3) -> list[float]:
+    """Train `model`'s draft head offline on sequences the model generated itself ([B, T], the first
+    `num_prompt_tokens` of each a prompt): `draft_loss` at every position whose next two tokens were
+    generated, full batch, Adam, `steps` steps; the policy is not touched. A draft head for a model
+    before any RL run (the online training keeps it up to date during one: trainer.draft). Returns
+    the mean cross-entropy of each step."""
+    from miles_async.models.attention import DenseCausalAttention
+
+    head = model.add_draft_head()
+    positions_BT = torch.arange(sequences_BT.shape[1]).expand_as(sequences_BT)
+    with torch.no_grad():
+        h_BTD, _ = model.model(sequences_BT, positions_BT, DenseCausalAttention(), None)
+    t = torch.arange(max(num_prompt_tokens - 2, 0), sequences_BT.shape[1] - 2)
+    width = h_BTD.shape[-1]
+    pairs = (h_BTD[:, t].reshape(-1, width), sequences_BT[:, t + 1].reshape(-1),
+             h_BTD[:, t + 1].reshape(-1, width), sequences_BT[:, t + 2].reshape(-1))
+    optimizer = torch.optim.Adam(head.parameters(), lr=lr)
+    curve = []
+    for _ in range(steps):
+        loss, ce = draft_loss(model, *pairs)
+        optimizer.zero_grad()
+        (loss / len(t) / sequences_BT.shape[0]).backward()
+        optimizer.step()
+        curve.append(float(ce) / pairs[1].numel())
+    return curve

@@ -22,7 +22,9 @@ Metrics rows are plain dicts of numbers. The controller writes these keys (the p
     step's samples), teacher_busy_fraction (the share of the step the teacher had work); with
     loop.offload_engines also engine_resume_s (the engines taking their memory back before the
     push that preceded this step's batch; 0 on the first step) and engine_release_s (giving it
-    back before this step trained)
+    back before this step trained); spec_accept_rate (the batch's draft tokens the engines
+    accepted; 0 without speculative decoding), spec_accept_length (its tokens per decoding step; 1
+    without) and draft_ce (the draft head's cross-entropy in this step's training; 0 when not trained)
 
 `MetricsLog` also mirrors every numeric value to TensorBoard under `RUN_DIR/tensorboard/` when
 `torch.utils.tensorboard` can be used (it needs the optional `tensorboard` package); otherwise

@@ -106,6 +106,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     draft: Literal["none", "frozen", "online"] = "none"
     draft_coef: float = 1.0
     draft_feature_coef: float = 0.1
+    draft_lr: float = 0.0  # the draft head's learning rate (SFT and RL); 0: the step's own (lr, or sft.lr)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -137,6 +138,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"optimizer_offload must be 'none' or 'disk', got {self.optimizer_offload!r}")
         if self.draft not in ("none", "frozen", "online"):
             raise ValueError(f"draft must be 'none', 'frozen' or 'online', got {self.draft!r}")
+        if self.draft_lr < 0:
+            raise ValueError(f"draft_lr must be >= 0 (0: the step's learning rate), got {self.draft_lr}")
         if self.draft != "none" and (self.draft_coef <= 0 or self.draft_feature_coef < 0):
             raise ValueError(f"draft_coef must be > 0 and draft_feature_coef >= 0, got {self.draft_coef} and "
                              f"{self.draft_feature_coef}")

@@ -88,8 +88,9 @@ class WeightBucket(msgspec.Struct, frozen=True, kw_only=True):
     num_bytes: int
 
 
-def make_optimizer(params: list[torch.nn.Parameter], config: TrainerConfig) -> torch.optim.Optimizer:
-    """The trainer's AdamW over `params`: in memory, or with its state streamed from disk
+def make_optimizer(params: list[torch.nn.Parameter] | list[dict[str, Any]],
+                   config: TrainerConfig) -> torch.optim.Optimizer:
+    """The trainer's AdamW over `params` (tensors, or param groups): in memory, or with its state streamed from disk
     (`config.optimizer_offload`, trainer/offload.py). float32 weights get the same update bit for
     bit either way; bf16 weights an fp32 master and moments on disk, bf16 moments in memory."""
     if config.optimizer_offload == "disk":
@@ -128,7 +129,11 @@ class Trainer:
         self.model = shard_model(model, device)
         attach_logprobs(self.model, config)
         # (with LoRA, the adapters only: the frozen base has no optimizer state)
-        self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], config)
+        trainable = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        policy = [p for name, p in trainable if not name.startswith(DRAFT_PREFIX)]
+        draft = [p for name, p in trainable if name.startswith(DRAFT_PREFIX)]
+        # the draft head in a group of its own: its learning rate is trainer.draft_lr
+        self.optimizer = make_optimizer([{"params": policy}, {"params": draft}] if draft else policy, config)
         model_config = model.config
         self.moe_shape = model_config.moe_shape
         self.step = 0
@@ -145,8 +150,8 @@ class Trainer:
         runs "sft" at its own learning rate); the optimizer's state is shared by both.
         """
         config = self.config
-        for group in self.optimizer.param_groups:
-            group["lr"] = config.lr if lr is None else lr
+        for i, group in enumerate(self.optimizer.param_groups):  # group 1: the draft head's, if any
+            group["lr"] = config.draft_lr if i == 1 and config.draft_lr > 0 else config.lr if lr is None else lr
         if objective is not None and objective != config.objective:
             if objective not in OBJECTIVES:
                 raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")

@@ -80,3 +80,19 @@ def test_bench_engine_vs_vllm_refuses_an_unknown_model():
     done = subprocess.run([sys.executable, "-m", "miles_async.launch.cli", "bench", "engine", "--vs-vllm",
                            "--models", "gpt2"], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and "--models takes bench and/or smollm2" in done.stderr
+
+
+@pytest.mark.slow  # ~15 s: a few distillation steps, then batch 1 and 2 with and without drafts
+def test_bench_engine_speculative_prints_speedups_and_acceptance():
+    done = subprocess.run(
+        [sys.executable, "-m", "miles_async.launch.cli", "bench", "engine", "--speculative", "--json",
+         "--spec-batches", "1,2", "--spec-tokens", "16", "--spec-k", "2", "--spec-distill-steps", "3"],
+        capture_output=True, text=True, timeout=400, check=False)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert set(result["results"]) == {"greedy/batch_1", "greedy/batch_2", "temperature_1/batch_1",
+                                      "temperature_1/batch_2"}
+    for row in result["results"].values():
+        assert row["plain_tokens_per_s"] > 0 and row["k2"]["speedup"] > 0
+        assert 0 <= row["k2"]["accept_rate"] <= 1 and row["k2"]["accept_length"] >= 1
+    assert result["draft"]["distill_steps"] == 3

@@ -19,7 +19,7 @@ from miles_async.engine.core import Engine, EngineConfig
 from miles_async.engine.request import GenerateRequest
 from miles_async.engine.sampling import SamplingParams, filtered_log_probs
 from miles_async.models import init_model, load_pretrained
-from miles_async.models.draft import draft_loss
+from miles_async.models.draft import distill_head
 from miles_async.models.loading import save_pretrained
 from tests.unit._support_engine import mixed_workload, run_workload
 
@@ -52,29 +52,13 @@ def drafted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     outs, _ = asyncio.run(_generate(folder, [GenerateRequest(input_ids=p, sampling_params=kinds[i % 2])
                                              for i, p in enumerate(prompts)]))
     seqs = torch.tensor([p + o.output_ids for p, o in zip(prompts, outs)])
-    head = model.add_draft_head()
-    optimizer = torch.optim.Adam(head.parameters(), lr=3e-3)
-    with torch.no_grad():
-        h_BTD, _ = model.model(seqs, torch.arange(seqs.shape[1]).expand_as(seqs), _dense(), None)
-    # every position t whose token t+2 was sampled (and so t+1 too): h_t, token t+1, h_{t+1}, token t+2
-    t = torch.arange(PROMPT_LEN - 2, seqs.shape[1] - 2)
-    pairs = (h_BTD[:, t].reshape(-1, h_BTD.shape[-1]), seqs[:, t + 1].reshape(-1),
-             h_BTD[:, t + 1].reshape(-1, h_BTD.shape[-1]), seqs[:, t + 2].reshape(-1))
-    for _ in range(150):
-        loss, _ = draft_loss(model, *pairs)
-        optimizer.zero_grad()
-        (loss / seqs.numel()).backward()
-        optimizer.step()
+    curve = distill_head(model, seqs, PROMPT_LEN, steps=150)
+    assert curve[-1] < curve[0]
     out = save_pretrained(model, root / "drafted")
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (folder / name).is_file():
             shutil.copy(folder / name, out / name)
     return out
-
-
-def _dense() -> object:
-    from miles_async.models.attention import DenseCausalAttention
-    return DenseCausalAttention()
 
 
 @pytest.mark.parametrize("batch_invariant", [True, False])
