@@ -78,8 +78,8 @@ from typing import Any, ClassVar
 import aiohttp
 import msgspec
 
-from miles_async.agents.api import Agent, AgentContext, Environment, Episode, ToolError
-from miles_async.task import Completion, Split
+from miles_async.agents.api import Agent, AgentContext, Environment, Episode, ToolError, sft_example
+from miles_async.task import Completion, Split, load_object
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,10 @@ class VerifiersConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     environment: str  # an installed Verifiers environment's id (its package name), e.g. "verifiers-calc"
     env: dict[str, Any] = {}  # the rest of Verifiers' EnvConfig (vf-eval's [env] table); taskset.id is `environment`
+    # The environment's ideal conversations, for an SFT warm start (a Verifiers taskset has none of
+    # its own): "module:function", called with a task's data (its TaskData as JSON), returning
+    # (messages, tools), the conversation and the tools its harness offers. "": none.
+    demonstrations: str = ""
 
     def __post_init__(self) -> None:
         if not self.environment.strip():
@@ -345,7 +349,10 @@ class VerifiersTask:
                         "agent episodes ([agent] in the recipe)")
 
     def sft_examples(self, items: Sequence[VerifiersItem]) -> list[tuple[list[int], list[int]]]:
-        """None: a Verifiers taskset has no ideal conversations. An environment that can write them
-        subclasses this task with them (tests/data/verifiers_calc's `warm_start.CalcTask`); without
-        any, set `sft.max_steps = 0`."""
-        return []
+        """The conversations `[task.config] demonstrations` writes for `items`, rendered as the
+        session server renders them (`agents.api.sft_example`); none without it (then set
+        `sft.max_steps = 0`: a Verifiers taskset has no ideal conversations of its own)."""
+        if not self.config.demonstrations:
+            return []
+        demonstration = load_object(self.config.demonstrations, "task.config.demonstrations")
+        return [sft_example(self.tokenizer, *demonstration(item.data)) for item in items]

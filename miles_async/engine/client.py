@@ -62,8 +62,9 @@ class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):
     routed_experts: bytes = b""
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    # Speculative decoding: decoding steps (SGLang's `spec_verify_ct`), draft tokens proposed and
-    # accepted (our engine's `spec_draft_tokens` / `spec_accepted_drafts`); 0 without speculation.
+    # Speculative decoding (SGLang's meta_info `spec_verify_ct`, `spec_num_proposed_drafts`,
+    # `spec_num_correct_drafts`, which our engine writes too): decoding steps, draft tokens proposed
+    # and accepted; 0 without speculation.
     spec_verify_ct: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_drafts: int = 0
@@ -98,8 +99,8 @@ def parse_output(out: dict[str, Any], *, version: int) -> EngineOutput:
                         text=out.get("text", ""), routed_experts=experts,
                         prompt_tokens=int(meta.get("prompt_tokens", 0)), cached_tokens=int(meta.get("cached_tokens", 0)),
                         spec_verify_ct=int(meta.get("spec_verify_ct", 0)),
-                        spec_draft_tokens=int(meta.get("spec_draft_tokens", 0)),
-                        spec_accepted_drafts=int(meta.get("spec_accepted_drafts", 0)))
+                        spec_draft_tokens=int(meta.get("spec_num_proposed_drafts", 0)),
+                        spec_accepted_drafts=int(meta.get("spec_num_correct_drafts", 0)))
 
 
 def bearer(api_key: str | None) -> dict[str, str] | None:

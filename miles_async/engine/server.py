@@ -218,11 +218,12 @@ def format_output(out: GenerateOutput, engine: Engine, text_in_logprobs: bool) -
         or [{"version": out.weight_version, "start": 0, "end": 0}],
         "e2e_latency": round(out.e2e_latency_s, 6),
     }
-    if engine.config.speculative_tokens:  # SGLang's spec_verify_ct and accept length; the draft counts are ours
+    if engine.config.speculative_tokens and out.spec_verify_ct:  # SGLang's speculative decoding metrics
         meta["spec_verify_ct"] = out.spec_verify_ct
-        meta["spec_accept_length"] = out.completion_tokens / out.spec_verify_ct if out.spec_verify_ct else 1.0
-        meta["spec_draft_tokens"] = out.spec_draft_tokens
-        meta["spec_accepted_drafts"] = out.spec_accepted_drafts
+        meta["spec_num_proposed_drafts"] = out.spec_draft_tokens
+        meta["spec_num_correct_drafts"] = out.spec_accepted_drafts
+        meta["spec_accept_rate"] = out.spec_accepted_drafts / out.spec_draft_tokens if out.spec_draft_tokens else 0.0
+        meta["spec_accept_length"] = out.completion_tokens / out.spec_verify_ct
     if out.output_token_logprobs is not None:
         decode = engine.tokenizer.decode if text_in_logprobs and engine.tokenizer is not None else None
 

@@ -428,6 +428,28 @@ def test_our_servers_routes_and_answers_have_sglangs_keys(sglang, model_dir):
     sglang.record("server /v1/loads keys", {"top": sorted(loads), "per rank": sorted(loads["loads"][0])})
 
 
+def test_a_speculating_servers_metrics_are_sglangs_and_the_client_reads_them(sglang, model_dir):
+    engine = Engine.from_pretrained(str(model_dir), config=EngineConfig(kv_cache_mib=8, speculative_tokens=2))
+
+    async def scenario():
+        async with EngineServer(engine) as server, EngineClient(server.url) as client:
+            return await client.generate(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 6,
+                                                                                  "ignore_eos": True})
+
+    out = run(scenario())
+    meta = out["meta_info"]
+    spec = {k for k in meta if k.startswith("spec_")}
+    assert spec == {"spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts", "spec_accept_rate",
+                    "spec_accept_length"}
+    assert spec <= sglang.meta_info_keys, sorted(spec - sglang.meta_info_keys)
+    parsed = parse_output(out, version=0)
+    assert parsed.spec_verify_ct == meta["spec_verify_ct"] > 0
+    assert parsed.spec_draft_tokens == meta["spec_num_proposed_drafts"] > 0
+    assert parsed.spec_accepted_drafts == meta["spec_num_correct_drafts"]
+    assert meta["spec_accept_length"] == pytest.approx(6 / meta["spec_verify_ct"])
+    sglang.record("server /generate meta_info keys of a speculating engine", sorted(spec))
+
+
 # ----- the weight-update group, against SGLang's own code -----
 
 SGLANG_MEMBER = """

@@ -28,7 +28,8 @@ RECIPE = ROOT / "recipes" / "verifiers-calculator.toml"
 SHORT = ["task.num_prompts=64", "loop.num_steps=3", "loop.batch_groups=2", "scheduler.group_size=4",
          "scheduler.target_in_flight=16", "buffer.filter=none", "rollout.sampling.max_new_tokens=8", "eval.every=3",
          "eval.num_prompts=4", "eval.temperature=1.0", "loop.mode=sync", "trainer.batch_invariant=true",
-         "rollout.engine.batch_invariant=true"]
+         "rollout.engine.batch_invariant=true", "sft.max_steps=3", "sft.probe_every=3", "sft.num_probe=4",
+         "sft.target_accuracy=2.0"]  # three warm-start steps on the environment's demonstrations
 # The calculator's rubric (verifiers_calc.CalcTask): correct 1.0 + answered 0.25. Our side adds nothing.
 RUBRIC_REWARDS = {0.0, 0.25, 1.0, 1.25}
 
@@ -53,7 +54,7 @@ def test_a_verifiers_environment_trains_in_the_loop(tmp_path):
                            *SHORT], cwd=tmp_path, capture_output=True, text=True, timeout=140, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["num_steps"] == 3 and summary["sft_steps"] == 0 and len(summary["eval_scores"]) == 1
+    assert summary["num_steps"] == 3 and summary["sft_steps"] == 3 and len(summary["eval_scores"]) == 1
     assert 0.0 <= summary["eval_scores"][0][1] <= 1.25  # the evaluator's episodes, scored by the rubric too
     samples = [r for r in decode_trace(out / "trace.jsonl") if isinstance(r, SampleTrace)]
     # Episodes ran to the end (none failed), each a conversation the session server recorded.

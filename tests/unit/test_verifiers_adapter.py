@@ -240,6 +240,14 @@ def test_items_cross_a_node_as_plain_data_and_rebuild_the_same_task(tmp_path):
     assert f"m:{original.data.a}*{original.data.b}=" in text
     with pytest.raises(TypeError, match="trace"):
         asyncio.run(task.reward(train[1], None))
+    # the warm start: none without demonstrations; with the environment's, its ideal conversation
+    assert task.sft_examples(train[:2]) == []
+    demo = VerifiersTask(msgspec.structs.replace(calculator(), demonstrations="verifiers_calc.warm_start:demonstration"),
+                         task.tokenizer)
+    ((ids, mask),) = demo.sft_examples(train[1:2])
+    trained = task.tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert '"multiply"' in trained and trained.endswith(f"{original.data.a * original.data.b}<|im_end|>")
+    assert f"m:{original.data.a}*{original.data.b}=" in task.tokenizer.decode(ids)
 
 
 @needs_verifiers
@@ -256,8 +264,9 @@ def test_a_wrong_environment_or_setting_fails_when_the_task_loads(environment, e
 @needs_verifiers
 def test_the_recipe_names_the_environment_by_its_id():
     config = load_recipe(RECIPE)
-    assert config.task.plugin == "miles_async.agents.verifiers:VerifiersTask" and config.sft.max_steps == 0
+    assert config.task.plugin == "miles_async.agents.verifiers:VerifiersTask" and config.sft.max_steps > 0
     task = msgspec.convert(config.task.config, VerifiersConfig)
+    assert task.demonstrations == "verifiers_calc.warm_start:demonstration"
     assert task.environment == "verifiers-calc" and task.env["agent"]["runtime"] == {"type": "subprocess"}
     assert (config.agent.rollout, config.agent.sandbox) == ("miles_async.agents.verifiers:rollout", False)
 
