@@ -41,6 +41,21 @@ import torch
 
 from miles_async.engine.sampling import SamplingParams, filtered_log_probs, race, sample, uniform
 
+PROBE_EVERY = 8  # a request whose drafting budget fell to 0 drafts one token every this many steps
+
+
+def next_budget(budget: int, drafts: int, accepted: int, most: int) -> int:
+    """A request's drafting budget after a step that drafted `drafts` tokens and accepted
+    `accepted` of them (`EngineConfig.speculative_adaptive`): one more after a step that accepted
+    all (at most `most`), one fewer after one that accepted none (at least 0), else the same.
+    Transformers' assisted generation schedules its drafts in the same spirit (+2 / -1, at least 1);
+    going down to 0 is what keeps a draft that never passes from slowing the engine down."""
+    if accepted >= drafts:
+        return min(max(budget, drafts) + 1, most)
+    if accepted == 0:
+        return max(min(budget, drafts) - 1, 0)
+    return budget
+
 
 @dataclass(frozen=True, slots=True)
 class Drafts:

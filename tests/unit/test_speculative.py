@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles_async.engine import speculative
 from miles_async.engine.core import Engine, EngineConfig
 from miles_async.engine.request import GenerateRequest
 from miles_async.engine.sampling import SamplingParams, filtered_log_probs
@@ -182,3 +183,22 @@ def test_the_draft_head_loads_with_the_model_and_bad_settings_are_refused(drafte
         EngineConfig(speculative_tokens=-1)
     with pytest.raises(ValueError, match="LoRA or a weight_format"):
         EngineConfig(speculative_tokens=2, weight_format="int4")
+
+
+def test_adaptive_drafting_backs_off_when_drafts_fail_and_grows_when_they_pass(drafted: Path, tmp_path: Path) -> None:
+    """A head that has learnt nothing (the seeded one of a fresh model) drafts greedily in vain: the
+    adaptive engine soon drafts about one token in eight steps, the fixed one three every step, with
+    the same outputs. The distilled head keeps drafting."""
+    assert speculative.next_budget(3, 3, 3, 3) == 3 and speculative.next_budget(2, 2, 2, 3) == 3
+    assert speculative.next_budget(3, 3, 0, 3) == 2 and speculative.next_budget(1, 1, 0, 3) == 0
+    assert speculative.next_budget(2, 2, 1, 3) == 2 and speculative.next_budget(0, 1, 1, 3) == 2
+    fresh = init_model("qwen3", "tiny", tmp_path / "fresh", seed=3)
+    params = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
+    requests = [GenerateRequest(input_ids=p, sampling_params=params) for p in _prompts(8, 512, seed=9)]
+    fixed, fixed_stats = asyncio.run(_generate(fresh, requests, speculative_tokens=3, speculative_adaptive=False))
+    adaptive, stats = asyncio.run(_generate(fresh, requests, speculative_tokens=3))
+    assert [o.output_ids for o in adaptive] == [o.output_ids for o in fixed]
+    assert fixed_stats.num_draft_tokens > 2.8 * fixed_stats.num_spec_verifies  # (fewer near max_new_tokens)
+    assert stats.num_draft_tokens < 0.3 * fixed_stats.num_draft_tokens, (stats, fixed_stats)
+    _, trained = asyncio.run(_generate(drafted, requests, speculative_tokens=3))
+    assert trained.num_draft_tokens > 3 * stats.num_draft_tokens and trained.num_accepted_drafts > 0
