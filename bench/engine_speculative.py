@@ -6,8 +6,9 @@ or init_model's qwen2 "small" without transformers). Its draft head is first dis
 half greedy, half at temperature 1), then every figure is measured on other prompts (held out).
 For each batch size (1, 8, 64 by default: that many requests submitted at once, 16-token prompts,
 `--spec-tokens` (128) output tokens each, EOS ignored), greedy and at temperature 1, it runs the
-same requests through an engine without speculation and one with k drafts a step, and reports
-tokens/s of both, their ratio, the fraction of drafts accepted and the tokens per decoding step.
+same requests through an engine without speculation and with k drafts a step (`k3`: adapted per
+request, the default; `k3_fixed`: always k), and reports tokens/s, the ratio to the engine without
+speculation, the fraction of drafts accepted and the tokens per decoding step.
 The ratio is the figure (both in this run, on this machine). Progress on stderr, JSON on stdout.
 
     miles-async bench engine --speculative --json
@@ -101,9 +102,10 @@ def measure(model_dir: str, *, ks: list[int], batches: list[int], output_tokens:
                 plain = asyncio.run(_run(drafted, prompts, params, EngineConfig(kv_cache_mib=kv)))
                 row: dict[str, Any] = {"plain_tokens_per_s": plain["tokens_per_s"]}
                 for k in ks:
-                    spec = asyncio.run(_run(drafted, prompts, params, EngineConfig(kv_cache_mib=kv,
-                                                                                   speculative_tokens=k)))
-                    row[f"k{k}"] = {**spec, "speedup": round(spec["tokens_per_s"] / plain["tokens_per_s"], 3)}
+                    for adaptive, name in ((True, f"k{k}"), (False, f"k{k}_fixed")):
+                        spec = asyncio.run(_run(drafted, prompts, params, EngineConfig(
+                            kv_cache_mib=kv, speculative_tokens=k, speculative_adaptive=adaptive)))
+                        row[name] = {**spec, "speedup": round(spec["tokens_per_s"] / plain["tokens_per_s"], 3)}
                 key = f"{'greedy' if temperature == 0 else 'temperature_1'}/batch_{batch}"
                 results[key] = row
                 progress(f"{key}: {row}")

@@ -180,10 +180,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # this many tokens per decoding request per step and the policy verifies them in one forward;
     # outputs keep exactly the policy's distribution, log-probs are the policy's. 0: off.
     speculative_tokens: int = 0
-    # Adapt each request's drafts to how they fare (engine/speculative.py, `next_budget`): one more
-    # after a step that accepted all, one fewer after one that accepted none, down to none at all
-    # (then one draft every 8th step, to see whether they would pass now). False: always as many as
-    # speculative_tokens (and the remaining tokens and free KV blocks) allow.
+    # Adapt each request's drafting to how its drafts fare (engine/speculative.py): no drafts while
+    # their moving acceptance is under 0.3 (then one every 8th step, to see whether they pass
+    # now), all it may otherwise. False: always as many as speculative_tokens (and the remaining
+    # tokens and free KV blocks) allow.
     speculative_adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -863,20 +863,16 @@ class Engine:
         """How many tokens to draft for a decoding request this step: `speculative_tokens`, less
         what its max_new_tokens and the context length leave (the verify emits drafts + 1 tokens,
         at positions up to num_computed + drafts), less what its KV blocks and the free blocks hold
-        (drafting never evicts the prefix cache nor retracts anyone), less what its adaptive budget
-        allows (`speculative_adaptive`). 0 before its first sampled step has left it a hidden state."""
+        (drafting never evicts the prefix cache nor retracts anyone); none while its drafts fail too
+        often (`speculative_adaptive`), or before its first sampled step has left it a hidden state."""
         if request.draft_hidden is None:
             return 0
         budget = self._speculative
-        if self.config.speculative_adaptive:
-            if request.draft_budget < 0:
-                request.draft_budget = self._speculative
-            budget = request.draft_budget
-            if budget == 0:  # its drafts kept failing: a probe now and then
-                request.draft_idle += 1
-                if request.draft_idle < speculative.PROBE_EVERY:
-                    return 0
-                request.draft_idle, budget = 0, 1
+        if (self.config.speculative_adaptive
+                and speculative.acceptance(request.draft_record) < speculative.MIN_ACCEPTANCE):
+            if self._counters["steps"] % speculative.PROBE_EVERY:  # its drafts fail too often to pay
+                return 0
+            budget = 1  # a probe: one draft, on the same step as every other such request's
         drafts = min(budget, request.params.max_new_tokens - len(request.output_ids) - 1,
                      self.max_seq_len - 1 - request.num_computed)
         if drafts <= 0:
@@ -1106,9 +1102,7 @@ class Engine:
             tokens, logprobs, tops, hidden = next(picked)
             request.draft_hidden = hidden
             if self._speculative and not request.prefilling:
-                if drafts and self.config.speculative_adaptive:
-                    request.draft_budget = speculative.next_budget(request.draft_budget, drafts, len(tokens) - 1,
-                                                                   self._speculative)
+                request.draft_record = speculative.judged(request.draft_record, drafts, len(tokens) - 1)
                 request.spec_verify_ct += 1
                 request.spec_draft_tokens += drafts
                 request.spec_accepted_drafts += len(tokens) - 1

@@ -130,8 +130,8 @@ class Request:
     spec_verify_ct: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_drafts: int = 0
-    draft_budget: int = -1  # EngineConfig.speculative_adaptive: the most drafts its next step makes (-1: not set)
-    draft_idle: int = 0  # steps without drafts since its budget fell to 0
+    # EngineConfig.speculative_adaptive: moving sums of its drafts accepted and judged (speculative.judged)
+    draft_record: tuple[float, float] = (1.0, 1.0)
     final_text: str | None = None
     created_s: float = field(default_factory=time.perf_counter)
     finished_s: float = 0.0

@@ -185,13 +185,19 @@ def test_the_draft_head_loads_with_the_model_and_bad_settings_are_refused(drafte
         EngineConfig(speculative_tokens=2, weight_format="int4")
 
 
-def test_adaptive_drafting_backs_off_when_drafts_fail_and_grows_when_they_pass(drafted: Path, tmp_path: Path) -> None:
+def test_adaptive_drafting_stops_when_drafts_fail_and_keeps_on_when_they_pass(drafted: Path, tmp_path: Path) -> None:
     """A head that has learnt nothing (the seeded one of a fresh model) drafts greedily in vain: the
-    adaptive engine soon drafts about one token in eight steps, the fixed one three every step, with
-    the same outputs. The distilled head keeps drafting."""
-    assert speculative.next_budget(3, 3, 3, 3) == 3 and speculative.next_budget(2, 2, 2, 3) == 3
-    assert speculative.next_budget(3, 3, 0, 3) == 2 and speculative.next_budget(1, 1, 0, 3) == 0
-    assert speculative.next_budget(2, 2, 1, 3) == 2 and speculative.next_budget(0, 1, 1, 3) == 2
+    adaptive engine soon drafts one token in eight steps, the fixed one three every step, with the
+    same outputs. The distilled head keeps drafting."""
+    record = (1.0, 1.0)
+    for _ in range(4):  # four steps with none of 3 drafts accepted: below the bar
+        record = speculative.judged(record, 3, 0)
+    assert speculative.acceptance(record) < speculative.MIN_ACCEPTANCE
+    assert speculative.acceptance(speculative.judged((1.0, 1.0), 3, 0)) > speculative.MIN_ACCEPTANCE
+    # accepting 1 of 3 judges 2 drafts (the refused one too), 3 of 3 judges 3
+    assert speculative.judged((0.0, 0.0), 3, 1) == pytest.approx((0.3, 0.6))
+    assert speculative.judged((0.0, 0.0), 3, 3) == pytest.approx((0.9, 0.9))
+    assert speculative.judged((0.5, 1.0), 0, 0) == (0.5, 1.0)
     fresh = init_model("qwen3", "tiny", tmp_path / "fresh", seed=3)
     params = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
     requests = [GenerateRequest(input_ids=p, sampling_params=params) for p in _prompts(8, 512, seed=9)]
@@ -201,4 +207,36 @@ def test_adaptive_drafting_backs_off_when_drafts_fail_and_grows_when_they_pass(d
     assert fixed_stats.num_draft_tokens > 2.8 * fixed_stats.num_spec_verifies  # (fewer near max_new_tokens)
     assert stats.num_draft_tokens < 0.3 * fixed_stats.num_draft_tokens, (stats, fixed_stats)
     _, trained = asyncio.run(_generate(drafted, requests, speculative_tokens=3))
-    assert trained.num_draft_tokens > 3 * stats.num_draft_tokens and trained.num_accepted_drafts > 0
+    per_step = trained.num_draft_tokens / trained.num_spec_verifies
+    assert per_step > 3 * stats.num_draft_tokens / stats.num_spec_verifies and trained.num_accepted_drafts > 0
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_mid_generation_and_abort_keep_greedy_outputs(drafted: Path, mode: str) -> None:
+    """Paused mid-decode (retracted: KV to the prefix cache, re-prefilled on continue; or in place),
+    then continued, with one request aborted meanwhile: the others' greedy outputs are the
+    non-speculative engine's."""
+    vocab = load_pretrained(drafted).config.vocab_size
+    params = SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True)
+    requests = [GenerateRequest(input_ids=p, sampling_params=params, rid=f"r{i}")
+                for i, p in enumerate(_prompts(8, vocab, seed=21))]
+
+    async def run(**config: object) -> tuple[list, object]:
+        engine = Engine.from_pretrained(str(drafted), config=EngineConfig(kv_cache_mib=32, batch_invariant=True,
+                                                                          **config))
+        async with engine:
+            states = [engine.submit(r) for r in requests]
+            while engine.stats().num_generated_tokens < 8 * 12:
+                await asyncio.sleep(0.001)
+            await engine.pause(mode)
+            assert await engine.abort("r3") == 1
+            await engine.resume()
+            await asyncio.gather(*(s.done.wait() for s in states))
+            return [engine.snapshot(s) for s in states], engine.stats()
+
+    plain, _ = asyncio.run(run())
+    spec, stats = asyncio.run(run(speculative_tokens=3))
+    assert spec[3].finish_reason["type"] == "abort" and stats.num_accepted_drafts > 0
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        if i != 3:
+            assert b.finish_reason["type"] == "length" and b.output_ids == a.output_ids, i
