@@ -119,14 +119,17 @@ def test_an_explicit_cpu_device_gives_the_same_outputs_as_the_default(no_cuda, m
     assert run(outputs(small(device="auto"))) == default  # no GPU here: "auto" is the CPU
 
 
+@pytest.mark.parametrize("speculative", [0, 3])  # with speculative decoding: the drafts and their verdicts too
 @pytest.mark.parametrize("fused", [False, True])  # the gathered attention path (a GPU's), and the CPU kernels'
-def test_every_tensor_a_step_makes_is_made_on_the_engines_device(model_dirs, fused):
+def test_every_tensor_a_step_makes_is_made_on_the_engines_device(model_dirs, fused, speculative):
     """A tensor factory without a device makes a CPU tensor, which on a GPU engine is a host tensor
     in a device computation (an error, or a copy per step): every one the steps call says its device,
     and it is the engine's. Mixed steps: prefill chunks, decodes, a prefix-cache hit, greedy, seeded
     and shared sampling, top-k/top-p, prompt log-probs, top-k lists and routed experts."""
     for family in ("qwen3", "qwen3_moe"):
-        engine = Engine.from_pretrained(model_dirs[family], config=small(device="cpu", fused_cpu_kernels=fused))
+        engine = Engine.from_pretrained(model_dirs[family], config=small(device="cpu", fused_cpu_kernels=fused,
+                                                                         speculative_tokens=speculative,
+                                                                         speculative_adaptive=False))
         recorder = FactoryDevices()
 
         async def scenario(engine=engine, recorder=recorder, moe=family == "qwen3_moe"):
@@ -149,6 +152,7 @@ def test_every_tensor_a_step_makes_is_made_on_the_engines_device(model_dirs, fus
         assert ("expert_slots_TLk" in placed) == (family == "qwen3_moe")
         assert set(placed.values()) == {engine.device}, placed
         assert engine._shared_generator.device == engine.device
+        assert (engine.stats().num_draft_tokens > 0) == bool(speculative)
 
 
 def test_a_one_node_run_hands_out_gpus_only_to_engines_on_cuda(monkeypatch, tmp_path):
