@@ -118,16 +118,27 @@ def _serve_engine(args: argparse.Namespace, extra: list[str]) -> int:
                         device=args.device)
 
 
-def _run_folder(verb: str, args: argparse.Namespace, load: Callable[[str, list[str]], Any]) -> tuple[Any, Any] | None:
-    """The recipe (`load(path, overrides)`) and the run folder of `run`/`sft`, logging set up; None
-    after saying on stderr what is wrong (a resume without --out, a bad recipe, a folder in use)."""
-    import logging
-    import time
+def _refused_early(verb: str, args: argparse.Namespace) -> bool:
+    """Whether `run`/`sft` is refused before importing the library (seconds: torch and the actors),
+    having said why: a resume without --out, a recipe that does not exist."""
     from pathlib import Path
 
     if args.resume and not args.out:
         print(f"{PROG} {verb}: --resume needs --out DIR (the run to continue)", file=sys.stderr)
-        return None
+        return True
+    if not Path(args.recipe).is_file():
+        print(f"{PROG} {verb}: recipe {args.recipe} does not exist", file=sys.stderr)
+        return True
+    return False
+
+
+def _run_folder(verb: str, args: argparse.Namespace, load: Callable[[str, list[str]], Any]) -> tuple[Any, Any] | None:
+    """The recipe (`load(path, overrides)`) and the run folder of `run`/`sft`, logging set up; None
+    after saying on stderr what is wrong (a bad recipe, a folder in use)."""
+    import logging
+    import time
+    from pathlib import Path
+
     try:
         recipe = load(args.recipe, args.overrides)
     except ValueError as e:
@@ -145,6 +156,8 @@ def _run_folder(verb: str, args: argparse.Namespace, load: Callable[[str, list[s
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
     """`miles-async run RECIPE`: the whole loop on this node (actors/controller.py)."""
+    if _refused_early("run", args):
+        return 2
     from miles_async.actors.controller import RunLostError, RunSetupError
     from miles_async.actors.controller import run as run_loop
     from miles_async.actors.recipe import load_recipe
@@ -191,6 +204,8 @@ def _summary(out: Any, result: Any) -> int:
 
 def _sft(args: argparse.Namespace, extra: list[str]) -> int:
     """`miles-async sft RECIPE`: supervised fine-tuning on the trainer ranks (actors/sft.py)."""
+    if _refused_early("sft", args):
+        return 2
     from miles_async.actors.sft import SFTRun, load_sft_recipe
     from miles_async.runtime import SpawnError
     from miles_async.runtime import run as run_async

@@ -1000,11 +1000,14 @@ class Engine:
             starts = list(itertools.accumulate((len(chunk) for chunk in sampled_rows), initial=0))
             tokens: list[list[int]] = [[] for _ in rows]
             logprobs: list[list[float]] = [[] for _ in rows]
-            kept = [start for start in starts[:-1]]  # per sampled chunk: its row (in logits_RV) of the last kept position
+            kept = starts[:-1]  # per sampled chunk: its row (in logits_RV) of the last kept position
             plain = [r for r in range(len(rows)) if not step.drafts[rows[r]]]
             if plain:
-                plain_R = torch.tensor([starts[r] for r in plain], dtype=torch.long, device=device)
-                tokens_P, logprobs_P = sample(logits_RV[plain_R], [picked[r].params for r in plain],
+                if len(plain) == len(rows) and drafted is None:  # one row each, in order: no copy of the logits
+                    logits_PV = logits_RV
+                else:
+                    logits_PV = logits_RV[torch.tensor([starts[r] for r in plain], dtype=torch.long, device=device)]
+                tokens_P, logprobs_P = sample(logits_PV, [picked[r].params for r in plain],
                                               [picked[r].generator for r in plain], self._shared_generator,
                                               fused=self._fused)
                 for r, token, logprob in zip(plain, tokens_P.tolist(), logprobs_P.tolist()):

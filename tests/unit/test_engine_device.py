@@ -119,7 +119,8 @@ def test_an_explicit_cpu_device_gives_the_same_outputs_as_the_default(no_cuda, m
     assert run(outputs(small(device="auto"))) == default  # no GPU here: "auto" is the CPU
 
 
-@pytest.mark.parametrize("speculative", [0, 3])  # with speculative decoding: the drafts and their verdicts too
+# with speculative decoding (slow: ~20 s): the drafts and their verdicts too
+@pytest.mark.parametrize("speculative", [0, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fused", [False, True])  # the gathered attention path (a GPU's), and the CPU kernels'
 def test_every_tensor_a_step_makes_is_made_on_the_engines_device(model_dirs, fused, speculative):
     """A tensor factory without a device makes a CPU tensor, which on a GPU engine is a host tensor

@@ -24,7 +24,7 @@ from miles_async.models.draft import distill_head
 from miles_async.models.loading import save_pretrained
 from tests.unit._support_engine import mixed_workload, run_workload
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # ~45 s in all (CI runs them)
 PROMPT_LEN = 4
 
 
