@@ -129,10 +129,11 @@ class Trainer:
         self.model = shard_model(model, device)
         attach_logprobs(self.model, config)
         # (with LoRA, the adapters only: the frozen base has no optimizer state)
-        trainable = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
-        policy = [p for name, p in trainable if not name.startswith(DRAFT_PREFIX)]
-        draft = [p for name, p in trainable if name.startswith(DRAFT_PREFIX)]
-        # the draft head in a group of its own: its learning rate is trainer.draft_lr
+        # the draft head's parameters apart: their own param group (trainer.draft_lr) and gradient clipping
+        self.draft_params = [p for name, p in self.model.named_parameters() if name.startswith(DRAFT_PREFIX)]
+        self.policy_params = [p for name, p in self.model.named_parameters() if not name.startswith(DRAFT_PREFIX)]
+        policy = [p for p in self.policy_params if p.requires_grad]
+        draft = [p for p in self.draft_params if p.requires_grad]
         self.optimizer = make_optimizer([{"params": policy}, {"params": draft}] if draft else policy, config)
         model_config = model.config
         self.moe_shape = model_config.moe_shape
@@ -176,11 +177,9 @@ class Trainer:
             [len(samples), sum(d.num_tokens for d in data), sum(trained_tokens(s) for s in samples),
              sum(s.reward for s in samples), forward_tokens], dtype=torch.float64)
         # The draft head's gradient is clipped on its own: the policy's update is the same with or without it.
-        draft_params = [p for name, p in self.model.named_parameters() if name.startswith(DRAFT_PREFIX)]
-        policy_params = [p for name, p in self.model.named_parameters() if not name.startswith(DRAFT_PREFIX)]
-        norm = torch.nn.utils.clip_grad_norm_(policy_params, self.config.grad_clip)
-        if draft_params:
-            torch.nn.utils.clip_grad_norm_(draft_params, self.config.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.policy_params, self.config.grad_clip)
+        if self.draft_params:
+            torch.nn.utils.clip_grad_norm_(self.draft_params, self.config.grad_clip)
         grad_norm = float(full_tensor(norm))
         # A non-finite gradient (same on every rank: the norm is reduced) skips the update.
         skipped = not math.isfinite(grad_norm)
