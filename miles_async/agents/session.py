@@ -39,8 +39,17 @@ The body field is for clients that share one base URL across sessions and whose 
 theirs to set: Verifiers' interception sends its own trace id as X-Session-ID, and passes
 `session_id` through as a sampling field, miles_async/agents/verifiers.py), POST
 /sessions/{id}/v1/chat/completions, GET /sessions/{id}/samples, DELETE /sessions/{id}, GET /stats,
-GET /health, GET /v1/models. Errors use OpenAI's shape {"error": {message, type, param, code}}.
-Beyond OpenAI's fields, a completion carries `prompt_token_ids` and `choices[0].token_ids`
+GET /health, GET /v1/models and /v1/models/{id} (the served name: `served_model_name`, by default the
+model folder's name, a Hub snapshot's id), GET /metrics (Prometheus text, engine/metrics.py's names:
+turns in flight and answered, their prompt, cached and generated tokens, latency, the newest weight
+version sampled, sessions open, TITO mismatches; the engines' own pages have their queues and KV
+use). A completion's `model` is the one the request named: an agent harness names its policy as
+its own config says, and whatever the name, this server serves the one policy. Errors use OpenAI's
+shape {"error": {message, type, param, code}} on every route (unknown routes 404, wrong methods 405).
+Streaming (`stream: true`) sends the engine server's chunk shapes (engine/openai.py): a role delta,
+content deltas, the tool calls, an empty delta with the finish reason (and the log-probs, when
+asked), then with `stream_options: {"include_usage": true}` a usage chunk with no choices, then
+[DONE]. Beyond OpenAI's fields, a completion carries `prompt_token_ids` and `choices[0].token_ids`
 (vLLM's names): the ids sent to and sampled by the engine.
 """
 
@@ -67,7 +76,8 @@ from aiohttp import web
 from miles_async.agents.toolcalls import TOOL_CALL_OPEN, scan_tool_calls
 from miles_async.engine.backend import Backend, EngineBackend, GenerateParams, connect
 from miles_async.engine.client import EngineHTTPError, EngineOutput
-from miles_async.engine.server import AppServer
+from miles_async.engine.http_base import AppServer, default_served_model_name
+from miles_async.engine.metrics import CONTENT_TYPE, Histogram, Page
 from miles_async.models.config import ModelConfig
 from miles_async.models.tokenizer import Tokenizer, load_tokenizer
 from miles_async.trajectory import TokenData, Trajectory, VersionSpan
@@ -111,6 +121,7 @@ class ChatRequest(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: bool
     stream: bool
     model: str
+    include_usage: bool = False  # stream_options.include_usage
 
 
 def parse_chat_request(body: Any, model: str) -> ChatRequest:
@@ -164,7 +175,20 @@ def parse_chat_request(body: Any, model: str) -> ChatRequest:
             raise RequestError(f"{name} must be true or false, got {value!r}", param=name)
     return ChatRequest(messages=messages, keys=[_message_key(m) for m in messages], tools=tools,
                        parse_tools=tool_choice != "none", sampling_params=params, logprobs=bool(logprobs),
-                       stream=bool(stream), model=body["model"] if isinstance(body.get("model"), str) else model)
+                       stream=bool(stream), model=body["model"] if isinstance(body.get("model"), str) else model,
+                       include_usage=_include_usage(body.get("stream_options"), bool(stream)))
+
+
+def _include_usage(options: Any, stream: bool) -> bool:
+    """stream_options.include_usage, checked as the engine server checks it."""
+    if options is None:
+        return False
+    if not stream:
+        raise RequestError("stream_options needs stream: true", param="stream_options")
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise RequestError(f'stream_options must be an object such as {{"include_usage": true}}, got {options!r}',
+                           param="stream_options")
+    return options.get("include_usage", False)
 
 
 def _render_message(message: Any, index: int) -> dict[str, Any]:
@@ -402,6 +426,19 @@ class EngineSlot:
 
 
 @dataclass(slots=True)
+class TurnCounters:
+    """What /metrics reports of the turns answered since start (counters never go down)."""
+
+    num_turns: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generation_tokens: int = 0
+    num_mismatches: int = 0
+    weight_version: int | None = None  # the newest a turn was sampled under
+    latency_s: Histogram = field(default_factory=Histogram)
+
+
+@dataclass(slots=True)
 class Turn:
     """One finished generation, read from the engine's answer."""
 
@@ -428,7 +465,7 @@ class SessionServer(AppServer):
                  host: str = "127.0.0.1", port: int = 0, *, max_sessions: int = DEFAULT_MAX_SESSIONS,
                  engine_timeout_s: float = 600.0, engine_api_key: str | None = None,
                  api_key: str | None = None, moe_shape: tuple[int, int] | None = None,
-                 backend: Backend = "embedded", adapter: str = "") -> None:
+                 backend: Backend = "embedded", adapter: str = "", served_model_name: str | None = None) -> None:
         if not engine_urls:
             raise ValueError("give at least one engine URL (e.g. http://127.0.0.1:30000)")
         self.backend_kind = backend  # how the engines are spoken to (engine/backend.py)
@@ -437,8 +474,11 @@ class SessionServer(AppServer):
         if isinstance(model_dir_or_tokenizer, Tokenizer):
             tokenizer, self.model = model_dir_or_tokenizer, "miles-async"
         else:
-            tokenizer, self.model = load_tokenizer(model_dir_or_tokenizer), Path(model_dir_or_tokenizer).name
+            tokenizer = load_tokenizer(model_dir_or_tokenizer)
+            self.model = default_served_model_name(str(model_dir_or_tokenizer))
             self.moe_shape = ModelConfig.from_hf(model_dir_or_tokenizer).moe_shape
+        self.model = served_model_name or self.model  # /v1/models' id, /metrics' model_name
+        self.counters = TurnCounters()
         self.tito = TitoTokenizer(tokenizer)
         self.tokenizer = tokenizer
         self.engine_timeout_s, self.engine_api_key = engine_timeout_s, engine_api_key
@@ -561,8 +601,10 @@ class SessionServer(AppServer):
         """Run one turn of `session_id`: TITO prompt, engine, checkpoint; return chat.completion JSON."""
         session = self._session(session_id)
         prompt = self.tito.prompt(request, self.tito.deepest_checkpoint(session, request))
+        started_s = time.perf_counter()
         turn = await self._generate(self.engines[session.engine_index], prompt.input_ids,
                                     request.sampling_params, on_text)
+        self._count(turn, prompt, time.perf_counter() - started_s)
         parsed = scan_tool_calls(turn.text) if request.parse_tools else None
         calls = parsed.tool_calls if parsed is not None else []
         content = parsed.content if parsed is not None else turn.text
@@ -597,6 +639,18 @@ class SessionServer(AppServer):
                       "total_tokens": turn.prompt_tokens + completion_tokens,
                       "prompt_tokens_details": {"cached_tokens": turn.cached_tokens}},
         }
+
+    def _count(self, turn: Turn, prompt: Prompt, latency_s: float) -> None:
+        counters = self.counters
+        counters.num_turns += 1
+        counters.prompt_tokens += turn.prompt_tokens
+        counters.cached_tokens += turn.cached_tokens
+        counters.generation_tokens += len(turn.output_ids)
+        counters.num_mismatches += int(prompt.mismatch)
+        for span in turn.weight_versions:
+            if counters.weight_version is None or span.version > counters.weight_version:
+                counters.weight_version = span.version
+        counters.latency_s.observe(latency_s)
 
     def _logprob_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self.tokenizer.decode([token_id])
@@ -659,15 +713,18 @@ def _streamable(text: str) -> str:
 
 
 async def _stream(request: web.Request, server: SessionServer, session_id: str, chat: ChatRequest) -> web.StreamResponse:
-    """OpenAI's SSE: a role chunk, content deltas as they come, the tool calls and finish, usage, [DONE]."""
+    """OpenAI's SSE: a role chunk, content deltas as they come, the tool calls, the finish (and the
+    log-probs), the usage if asked for, [DONE] (the module docstring)."""
     completion_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Session-Id": session_id})
     sent = ""
 
-    async def send(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> None:
+    async def send(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None, **extra: Any) -> None:
         chunk = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": chat.model,
-                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra}
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}], **extra}
+        if chat.include_usage:
+            chunk["usage"] = None
         await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
     async def on_text(text: str) -> None:
@@ -682,7 +739,16 @@ async def _stream(request: web.Request, server: SessionServer, session_id: str, 
             await send({"content": safe[len(sent):]})
             sent = safe
 
-    completion = await server.complete(session_id, chat, on_text)  # errors before the first chunk: plain JSON
+    try:
+        completion = await server.complete(session_id, chat, on_text)  # errors before the first chunk: plain JSON
+    except RequestError as e:
+        if not response.prepared:
+            raise
+        # The headers went out: the error becomes an event, OpenAI's shape (as vLLM sends it).
+        error = {"error": {"message": str(e), "type": e.kind, "param": e.param, "code": e.code}}
+        await response.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
+        await response.write_eof()
+        return response
     if not response.prepared:
         await response.prepare(request)
         await send({"role": "assistant", "content": ""})
@@ -698,8 +764,9 @@ async def _stream(request: web.Request, server: SessionServer, session_id: str, 
         final["tool_calls"] = [{"index": i, **call} for i, call in enumerate(choice["message"]["tool_calls"])]
     if final:
         await send(final)
-    await send({}, choice["finish_reason"], session_id=session_id)
-    await send_usage(response, completion)
+    await send({}, choice["finish_reason"], choice["logprobs"], session_id=session_id)
+    if chat.include_usage:
+        await send_usage(response, completion)
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -715,7 +782,7 @@ def _known_session(request: web.Request) -> str:
     session_id = request.match_info["session_id"]
     if session_id not in request.app[SERVER_KEY].sessions:
         raise RequestError(f"no session {session_id!r} (a session starts with its first chat completion)",
-                           status=404, kind="not_found_error", code="session_not_found")
+                           status=404, code="session_not_found")
     return session_id
 
 
@@ -742,10 +809,45 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+def _card(model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "miles-async"}
+
+
 async def models(request: web.Request) -> web.Response:
-    model = request.app[SERVER_KEY].model
-    return web.json_response({"object": "list", "data": [{"id": model, "object": "model", "created": 0,
-                                                          "owned_by": "miles-async"}]})
+    return web.json_response({"object": "list", "data": [_card(request.app[SERVER_KEY].model)]})
+
+
+async def model_card(request: web.Request) -> web.Response:
+    model = request.match_info["model"]
+    if model != request.app[SERVER_KEY].model:
+        raise RequestError(f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found")
+    return web.json_response(_card(model))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text, under the engine server's names (engine/metrics.py)."""
+    server = request.app[SERVER_KEY]
+    counters = server.counters
+    page = Page({"model_name": server.model})
+    page.gauge("sglang:num_running_reqs", "The number of turns at the engines.",
+               sum(e.num_in_flight for e in server.engines))
+    page.counter("sglang:prompt_tokens_total", "Number of prompt tokens the turns sent.", counters.prompt_tokens)
+    page.counter("sglang:cached_tokens_total", "Number of them the engines' prefix caches held.",
+                 counters.cached_tokens)
+    page.counter("sglang:generation_tokens_total", "Number of tokens the turns generated.",
+                 counters.generation_tokens)
+    page.gauge("sglang:cache_hit_rate", "The prefix cache hit rate of the turns.",
+               counters.cached_tokens / counters.prompt_tokens if counters.prompt_tokens else 0.0)
+    page.counter("sglang:num_requests_total", "Number of turns answered.", counters.num_turns)
+    page.histogram("sglang:e2e_request_latency_seconds", "Histogram of the turns' latency in seconds",
+                   counters.latency_s)
+    if counters.weight_version is not None:
+        page.gauge("miles_async:weight_version", "The newest weight version a turn was sampled under.",
+                   counters.weight_version)
+    page.gauge("miles_async:sessions_open", "The number of open sessions.", len(server.sessions))
+    page.counter("miles_async:tito_mismatches_total", "Turns whose re-tokenized history differs from the sampled ids.",
+                 counters.num_mismatches)
+    return web.Response(body=page.text().encode(), headers={"Content-Type": CONTENT_TYPE})
 
 
 @web.middleware
@@ -757,8 +859,16 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     except web.HTTPException as e:  # aiohttp's own 404/405/413, in OpenAI's shape
         if e.status < 400:
             raise
-        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-        return error_response(RequestError(f"{request.method} {request.path}: {e.reason}", status=e.status, kind=kind))
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else {}
+        response = error_response(RequestError(f"{request.method} {request.path}: {e.reason}", status=e.status))
+        response.headers.update(allow)
+        return response
+    except ConnectionResetError:  # the client went away: nobody to answer
+        raise
+    except Exception:  # the HTTP boundary: a fault of ours, with its traceback in the log, not the client's
+        log.exception("%s %s failed", request.method, request.path)
+        return error_response(RequestError(f"{request.method} {request.path} failed inside the server (its log "
+                                           "says why)", status=500, kind="server_error"))
 
 
 def create_app(server: SessionServer) -> web.Application:
@@ -768,6 +878,9 @@ def create_app(server: SessionServer) -> web.Application:
     app.router.add_post("/sessions/{session_id}/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/sessions/{session_id}/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model_card)  # a Hub id holds a slash
+    app.router.add_get("/sessions/{session_id}/v1/models/{model:.+}", model_card)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/sessions/{session_id}/samples", get_samples)
     app.router.add_delete("/sessions/{session_id}", delete_session)
     app.router.add_get("/stats", get_stats)
@@ -775,26 +888,27 @@ def create_app(server: SessionServer) -> web.Application:
     return app
 
 
-async def serve_forever(engine_urls: Sequence[str], model_dir: str, host: str, port: int) -> None:
+async def serve_forever(engine_urls: Sequence[str], model_dir: str, host: str, port: int,
+                        served_model_name: str | None = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with SessionServer(engine_urls, model_dir, host, port) as server:
+    async with SessionServer(engine_urls, model_dir, host, port, served_model_name=served_model_name) as server:
         print(f"miles-async session: serving {', '.join(engine_urls)} on {server.url} "
               f"(OpenAI base URL: {server.url}/sessions/SESSION_ID/v1)", flush=True)
         await stop.wait()
 
 
-def main(engine_urls: list[str], model_dir: str, host: str, port: int) -> int:
-    """`miles-async serve session`: load the tokenizer, serve until interrupted."""
+def main(engine_urls: list[str], model_dir: str, host: str, port: int, served_model_name: str | None = None) -> int:
+    """`miles-async serve session`: load the tokenizer, serve (as `served_model_name`) until interrupted."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         load_tokenizer(model_dir)
     except (OSError, ValueError) as e:
         print(f"miles-async serve session: cannot read the tokenizer in {model_dir}: {e}", file=sys.stderr)
         return 2
-    asyncio.run(serve_forever(engine_urls, model_dir, host, port))
+    asyncio.run(serve_forever(engine_urls, model_dir, host, port, served_model_name))
     return 0
 
 

@@ -7,7 +7,8 @@
   an optional double buffer, shared-memory weights, and the torn state an interrupted update
   leaves (the engine then refuses requests and its /health says why). `Engine.from_pretrained(DIR)`; `await engine.generate(GenerateRequest(...))`.
 - `EngineServer` / `create_app` (server.py): SGLang 0.5.23's endpoints and shapes over aiohttp,
-  and OpenAI's routes (openai.py); `miles-async serve engine --model DIR --port P` runs it.
+  OpenAI's routes, streamed or not (openai.py), Prometheus /metrics (metrics.py), the pieces they
+  share in http_base.py; `miles-async serve engine --model DIR --port P` runs it.
 - `EngineClient` (client.py): the async client for this server and for a real SGLang server.
 - `EngineBackend` (backend.py): the one interface the loop, the evaluator and the session server
   use for any engine; `SGLangBackend` speaks SGLang's API, `VllmBackend` (vllm.py) vLLM's.

@@ -258,6 +258,9 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     num_spec_verifies: int = 0
     num_draft_tokens: int = 0
     num_accepted_drafts: int = 0
+    num_finished_requests: int = 0  # since start, aborted ones included
+    num_aborted_requests: int = 0
+    num_used_blocks: int = 0  # KV blocks requests hold (not free, not evictable prefix cache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -790,7 +793,10 @@ class Engine:
             weight_version=self.weight_version, paused=self._paused, weights_error=self.weights.serving_error(),
             num_used_tokens=sum(r.num_computed for r in self._running),
             num_spec_verifies=self._counters["spec_verifies"], num_draft_tokens=self._counters["draft_tokens"],
-            num_accepted_drafts=self._counters["accepted_drafts"])
+            num_accepted_drafts=self._counters["accepted_drafts"],
+            num_finished_requests=self._counters["finished_requests"],
+            num_aborted_requests=self._counters["aborted_requests"],
+            num_used_blocks=self.cache.num_blocks - self.cache.num_free - self.cache.tree.num_evictable())
 
     # ----- the loop -----
 
@@ -1161,6 +1167,8 @@ class Engine:
         request.finish_reason = reason
         request.final_text = output_text(request, self.tokenizer)
         request.finished_s = time.perf_counter()
+        self._counters["finished_requests"] += 1
+        self._counters["aborted_requests"] += int(reason.get("type") == "abort")
         del self._requests[request.rid]
         request.updated.set()
         request.done.set()

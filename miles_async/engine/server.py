@@ -32,21 +32,24 @@ so `EngineClient` and any SGLang client work against either server:
        and /resume_memory_occupation {tags: "weights", "kv_cache"} (the memory given back and taken
        again; released weights come back empty: push a version), /update_weights_from_tensor
        (refused: see its handler).
-OpenAI's (openai.py): GET /v1/models; POST /v1/completions, /v1/chat/completions.
-A malformed request gets HTTP 400 naming the field, {"error": {"message": ...}} (the weight
-endpoints answer as SGLang's do, {"success": false, "message": ...}; the OpenAI ones in OpenAI's
-error shape); a full queue gets 503. Streamed /generate outputs are cumulative, as SGLang's are by
-default.
+OpenAI's (openai.py): GET /v1/models, /v1/models/{id}; POST /v1/completions, /v1/chat/completions
+(streamed with stream: true). The model is named by its served name (`served_model_name`, the CLI's
+--served-model-name; by default the model's own name: a folder's base name, a Hub id's repository).
+GET /metrics: Prometheus text (metrics.py names every metric).
+Errors are JSON on every route. A malformed request gets HTTP 400 naming the field,
+{"error": {"message": ...}} (the weight endpoints answer as SGLang's do, {"success": false,
+"message": ...}); a full queue or unavailable weights 503. The /v1 routes, unknown routes (404),
+wrong methods (405) and a body too large (413) answer in OpenAI's shape, {"error": {"message",
+"type", "param", "code"}}. Streamed /generate outputs are cumulative, as SGLang's are by default.
+What this module shares with openai.py (keys, field checks, error shapes, AppServer) is http_base.py.
 """
 
 from __future__ import annotations
 
-import abc
 import array
 import asyncio
 import base64
 import datetime
-import hmac
 import json
 import logging
 import signal
@@ -54,27 +57,42 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import torch
 from aiohttp import web
 
 import miles_async
+from miles_async.engine import openai
 from miles_async.engine.core import PAUSE_MODES, Engine, EngineOverloadedError, WeightsUnavailableError
+from miles_async.engine.http_base import (
+    ENGINE_KEY,
+    LATENCY_KEY,
+    MODEL_NAME_KEY,
+    STARTED_KEY,
+    AppServer,
+    BadRequest,
+    body_field,
+    default_served_model_name,
+    native_error,
+    openai_error,
+    read_json,
+    record_finished,
+    required_field,
+    submit_all,
+    token_id_list,
+    wait_all,
+)
+from miles_async.engine.metrics import CONTENT_TYPE, Histogram, Page
 from miles_async.engine.request import GenerateOutput, GenerateRequest, TopLogprobs
 from miles_async.engine.sampling import SamplingParams
 from miles_async.engine.weights import GroupReceiver
 from miles_async.transport.errors import TransportError
 
-if TYPE_CHECKING:
-    from typing_extensions import Self
-
 log = logging.getLogger(__name__)
 
-ENGINE_KEY = web.AppKey("engine", Engine)
 RECEIVER_KEY = web.AppKey("receiver", GroupReceiver)
-STARTED_KEY = web.AppKey("started_s", float)
 MAX_BODY_BYTES = 64 * 2**20
 # GenerateReqInput fields for features this engine does not have: a request that sets one gets a
 # 400 instead of an answer that silently ignores it. Other unknown fields are ignored, as SGLang does.
@@ -84,59 +102,6 @@ UNSUPPORTED_FIELDS = ("image_data", "video_data", "audio_data", "input_embeds", 
 # Our model families' transformers class names, for a checkpoint without them in its config.json.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM"}
-
-
-class BadRequest(ValueError):
-    """A request the server refuses with HTTP 400."""
-
-
-def _json_error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
-
-
-async def _read_json(request: web.Request, *, optional: bool = False) -> dict[str, Any]:
-    raw = await request.read()
-    if not raw.strip() and optional:
-        return {}
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-def _field(body: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
-        names = " or ".join(t.__name__ for t in _as_tuple(kind))
-        raise BadRequest(f"{key} must be {names}, got {type(value).__name__}")
-    return value
-
-
-def _required(body: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
-    value = _field(body, key, kind)
-    if value is None:
-        raise BadRequest(f"{key} is required")
-    return value
-
-
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
-
-
-def _token_ids(value: Any, where: str) -> list[int]:
-    if not isinstance(value, list) or not all(type(x) is int for x in value):
-        raise BadRequest(f"{where} must be a list of integer token ids")
-    return value
-
-
-def served_model_name(engine: Engine) -> str:
-    """SGLang's default: the model path."""
-    return engine.model_path or "miles-async-embedded"
 
 
 # ----- generation -----
@@ -159,16 +124,16 @@ def parse_generate(body: dict[str, Any], engine: Engine) -> tuple[list[GenerateR
         prompts = [engine.tokenizer.encode(t) for t in texts]
     else:
         is_batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
-        prompts = ([_token_ids(p, f"input_ids[{i}]") for i, p in enumerate(input_ids)] if is_batch
-                   else [_token_ids(input_ids, "input_ids")])
+        prompts = ([token_id_list(p, f"input_ids[{i}]") for i, p in enumerate(input_ids)] if is_batch
+                   else [token_id_list(input_ids, "input_ids")])
     count = len(prompts)
     params = _per_item(body.get("sampling_params"), count, is_batch, "sampling_params", dict)
     rids = _per_item(body.get("rid"), count, is_batch, "rid", str)
     return_logprob = _per_item(body.get("return_logprob"), count, is_batch, "return_logprob", bool)
     starts = _per_item(body.get("logprob_start_len"), count, is_batch, "logprob_start_len", int)
     tops = _per_item(body.get("top_logprobs_num"), count, is_batch, "top_logprobs_num", int)
-    return_experts = _field(body, "return_routed_experts", bool, False)
-    if _field(body, "routed_experts_start_len", int, 0):
+    return_experts = body_field(body, "return_routed_experts", bool, False)
+    if body_field(body, "routed_experts_start_len", int, 0):
         raise BadRequest("routed_experts_start_len is not supported: the embedded engine returns every token's "
                          "experts (leave it 0)")
     try:
@@ -182,7 +147,7 @@ def parse_generate(body: dict[str, Any], engine: Engine) -> tuple[list[GenerateR
         raise BadRequest(str(e)) from None
     if is_batch and rids[0] is not None and len(set(rids)) != count:
         raise BadRequest("rid must name each request of a batch once")
-    return requests, is_batch, _field(body, "return_text_in_logprobs", bool, False)
+    return requests, is_batch, body_field(body, "return_text_in_logprobs", bool, False)
 
 
 def _per_item(value: Any, count: int, is_batch: bool, name: str, kind: type) -> list[Any]:
@@ -248,48 +213,18 @@ def encode_routed_experts(experts_TLk: torch.Tensor) -> str:
     return base64.b64encode(values.tobytes()).decode("ascii")
 
 
-async def submit_all(engine: Engine, requests: list[GenerateRequest]) -> list:
-    """Submit every request, or none (a refused one aborts those submitted before it)."""
-    states: list = []
-    try:
-        for item in requests:
-            states.append(engine.submit(item))
-    except ValueError as e:
-        await _abort_all(engine, states)
-        raise BadRequest(str(e)) from None
-    except EngineOverloadedError:
-        await _abort_all(engine, states)
-        raise
-    return states
-
-
-async def wait_all(engine: Engine, states: list) -> list[GenerateOutput]:
-    """The final outputs; a client that goes away (the handler is cancelled) aborts them."""
-    try:
-        await asyncio.gather(*(s.done.wait() for s in states))
-    except asyncio.CancelledError:
-        await asyncio.shield(_abort_all(engine, states))
-        raise
-    return [engine.snapshot(s) for s in states]
-
-
 async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
-    body = await _read_json(request)
+    body = await read_json(request)
     requests, is_batch, text_in_logprobs = parse_generate(body, engine)
-    stream = _field(body, "stream", bool, False)
+    stream = body_field(body, "stream", bool, False)
     if stream and is_batch:
         raise BadRequest("stream is supported for one prompt at a time, not for a batch")
     states = await submit_all(engine, requests)
     if stream:
         return await _stream(request, engine, states[0], text_in_logprobs)
-    outputs = [format_output(out, engine, text_in_logprobs) for out in await wait_all(engine, states)]
+    outputs = [format_output(out, engine, text_in_logprobs) for out in await wait_all(request, states)]
     return web.json_response(outputs if is_batch else outputs[0])
-
-
-async def _abort_all(engine: Engine, states: list) -> None:
-    for state in states:
-        await engine.abort(state.rid)
 
 
 async def _stream(request: web.Request, engine: Engine, state, text_in_logprobs: bool) -> web.StreamResponse:
@@ -299,6 +234,7 @@ async def _stream(request: web.Request, engine: Engine, state, text_in_logprobs:
         async for out in engine.stream(state):
             chunk = json.dumps(format_output(out, engine, text_in_logprobs))
             await response.write(f"data: {chunk}\n\n".encode())
+        record_finished(request, [out])
         await response.write(b"data: [DONE]\n\n")
     except (asyncio.CancelledError, ConnectionResetError):
         await asyncio.shield(engine.abort(state.rid))
@@ -312,7 +248,7 @@ async def _stream(request: web.Request, engine: Engine, state, text_in_logprobs:
 async def health(request: web.Request) -> web.Response:
     """200 while the engine can serve; 503 naming the reason when its weights are torn."""
     problem = request.app[ENGINE_KEY].weights.serving_error()
-    return web.Response(status=200) if problem is None else _json_error(503, f"weights unavailable: {problem}")
+    return web.Response(status=200) if problem is None else native_error(503, f"weights unavailable: {problem}")
 
 
 async def health_generate(request: web.Request) -> web.Response:
@@ -338,7 +274,7 @@ async def model_info(request: web.Request) -> web.Response:
     hf = _hf_config(engine)
     return web.json_response({
         "model_path": engine.model_path,
-        "served_model_name": served_model_name(engine),
+        "served_model_name": request.app[MODEL_NAME_KEY],
         "tokenizer_path": engine.model_path if engine.tokenizer is not None else None,
         "is_generation": True,
         "preferred_sampling_params": None,
@@ -358,7 +294,7 @@ async def server_info(request: web.Request) -> web.Response:
     return web.json_response({
         "model_path": engine.model_path,
         "tokenizer_path": engine.model_path if engine.tokenizer is not None else None,
-        "served_model_name": served_model_name(engine),
+        "served_model_name": request.app[MODEL_NAME_KEY],
         "skip_tokenizer_init": engine.tokenizer is None,
         "load_format": "safetensors",
         "dtype": str(next(engine.model.parameters()).dtype).removeprefix("torch."),
@@ -408,6 +344,34 @@ async def v1_loads(request: web.Request) -> web.Response:
     })
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text: the engine's load, token counters, KV use and weight version (metrics.py)."""
+    engine = request.app[ENGINE_KEY]
+    stats = engine.stats()
+    capacity = engine.cache.num_blocks * engine.config.block_size
+    page = Page({"model_name": request.app[MODEL_NAME_KEY]})
+    page.gauge("sglang:num_running_reqs", "The number of running requests.", stats.num_running)
+    page.gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", stats.num_waiting)
+    page.counter("sglang:prompt_tokens_total", "Number of prefill tokens processed (the prefix cache's queries).",
+                 stats.num_prompt_tokens)
+    page.counter("sglang:cached_tokens_total", "Number of cached prompt tokens (the prefix cache's hits).",
+                 stats.num_cached_prompt_tokens)
+    page.counter("sglang:generation_tokens_total", "Number of generation tokens processed.",
+                 stats.num_generated_tokens)
+    page.gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", stats.prefix_cache_hit_rate)
+    page.gauge("sglang:token_usage", "The token usage: KV cache blocks held by requests, 0-1.",
+               stats.num_used_blocks / stats.num_blocks if stats.num_blocks else 0.0)
+    page.gauge("sglang:num_used_tokens", "The number of used tokens.", stats.num_used_tokens)
+    page.gauge("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", capacity)
+    page.counter("sglang:num_requests_total", "Number of requests processed.", stats.num_finished_requests)
+    page.counter("sglang:num_aborted_requests_total", "Number of requests aborted.", stats.num_aborted_requests)
+    page.counter("sglang:num_retracted_requests_total", "Total number of retracted requests.", stats.num_retractions)
+    page.histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
+                   request.app[LATENCY_KEY])
+    page.gauge("miles_async:weight_version", "The weight version served.", engine.weights.version)
+    return web.Response(body=page.text().encode(), headers={"Content-Type": CONTENT_TYPE})
+
+
 # ----- control -----
 
 async def flush_cache(request: web.Request) -> web.Response:
@@ -420,9 +384,9 @@ async def abort_request(request: web.Request) -> web.Response:
 
     SGLang takes an empty rid as a prefix of every rid; here that needs `abort_all` said outright.
     """
-    body = await _read_json(request)
-    rid = _field(body, "rid", str, "")
-    abort_all = _field(body, "abort_all", bool, False)
+    body = await read_json(request)
+    rid = body_field(body, "rid", str, "")
+    abort_all = body_field(body, "abort_all", bool, False)
     if not rid and not abort_all:
         raise BadRequest("give rid (the request to abort, or a prefix of its rid) or abort_all: true")
     count = await request.app[ENGINE_KEY].abort(rid or None, abort_all=abort_all, prefix=True)
@@ -430,8 +394,8 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def pause_generation(request: web.Request) -> web.Response:
-    body = await _read_json(request, optional=True)
-    mode = _field(body, "mode", str, "abort")
+    body = await read_json(request, optional=True)
+    mode = body_field(body, "mode", str, "abort")
     if mode not in PAUSE_MODES:
         raise BadRequest(f"mode {mode!r} is not one of {', '.join(PAUSE_MODES)}")
     await request.app[ENGINE_KEY].pause(mode)
@@ -462,12 +426,12 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
 
     async def call() -> web.Response:
-        body = await _read_json(request)
-        model_path = _required(body, "model_path", str)
-        weight_version = _field(body, "weight_version", str)
+        body = await read_json(request)
+        model_path = required_field(body, "model_path", str)
+        weight_version = body_field(body, "weight_version", str)
         if body.get("load_format") not in (None, "auto", "safetensors"):
             raise BadRequest(f"load_format={body['load_format']!r} is not supported (safetensors folders only)")
-        num_aborted = await engine.abort(abort_all=True) if _field(body, "abort_all_requests", bool, False) else 0
+        num_aborted = await engine.abort(abort_all=True) if body_field(body, "abort_all_requests", bool, False) else 0
         version = await engine.update_weights_from_disk(model_path, weight_version)
         return _weight_answer(True, f"Succeeded to update model weights (version {version}).", num_paused_requests=0,
                               num_aborted_requests=num_aborted, weight_version=version)
@@ -479,9 +443,9 @@ async def update_weight_version(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
 
     async def call() -> web.Response:
-        body = await _read_json(request)
-        new_version = _required(body, "new_version", str)
-        if _field(body, "abort_all_requests", bool, True):  # SGLang's default
+        body = await read_json(request)
+        new_version = required_field(body, "new_version", str)
+        if body_field(body, "abort_all_requests", bool, True):  # SGLang's default
             await engine.abort(abort_all=True)
         label = await engine.update_weight_version(new_version)
         return _weight_answer(True, f"Weight version updated to {label}", new_version=label)
@@ -493,11 +457,11 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     receiver = request.app[RECEIVER_KEY]
 
     async def call() -> web.Response:
-        body = await _read_json(request)
-        group_name = _field(body, "group_name", str, "weight_update_group")
-        await receiver.init_group(_required(body, "master_address", str), _required(body, "master_port", int),
-                                  _required(body, "rank_offset", int), _required(body, "world_size", int),
-                                  group_name, _field(body, "backend", str, "nccl"))
+        body = await read_json(request)
+        group_name = body_field(body, "group_name", str, "weight_update_group")
+        await receiver.init_group(required_field(body, "master_address", str), required_field(body, "master_port", int),
+                                  required_field(body, "rank_offset", int), required_field(body, "world_size", int),
+                                  group_name, body_field(body, "backend", str, "nccl"))
         return _weight_answer(True, f"Joined weight update group {group_name!r}.")
 
     return await _weight_call(call, "init weights update group")
@@ -507,8 +471,8 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
     receiver = request.app[RECEIVER_KEY]
 
     async def call() -> web.Response:
-        body = await _read_json(request, optional=True)
-        group_name = _field(body, "group_name", str, "weight_update_group")
+        body = await read_json(request, optional=True)
+        group_name = body_field(body, "group_name", str, "weight_update_group")
         await receiver.destroy_group(group_name)
         return _weight_answer(True, f"Destroyed weight update group {group_name!r}.")
 
@@ -519,18 +483,18 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     engine, receiver = request.app[ENGINE_KEY], request.app[RECEIVER_KEY]
 
     async def call() -> web.Response:
-        body = await _read_json(request)
-        names, dtypes, shapes = (_required(body, key, list) for key in ("names", "dtypes", "shapes"))
+        body = await read_json(request)
+        names, dtypes, shapes = (required_field(body, key, list) for key in ("names", "dtypes", "shapes"))
         if not all(isinstance(n, str) for n in names) or not all(isinstance(d, str) for d in dtypes):
             raise BadRequest("names and dtypes must be lists of strings")
         if not all(isinstance(s, list) and all(type(d) is int for d in s) for s in shapes):
             raise BadRequest("shapes must be a list of lists of integers")
         if body.get("load_format") not in (None, "auto"):
             raise BadRequest(f"load_format={body['load_format']!r} is not supported (plain tensors only)")
-        if _field(body, "abort_all_requests", bool, False):
+        if body_field(body, "abort_all_requests", bool, False):
             await engine.abort(abort_all=True)
-        label = await receiver.receive(names, dtypes, shapes, _field(body, "group_name", str, "weight_update_group"),
-                                       _field(body, "weight_version", str))
+        label = await receiver.receive(names, dtypes, shapes, body_field(body, "group_name", str, "weight_update_group"),
+                                       body_field(body, "weight_version", str))
         if label is None:
             return _weight_answer(True, f"Received {len(names)} tensors; the update goes live when complete.")
         return _weight_answer(True, f"Succeeded to update model weights (version {label}).", weight_version=label)
@@ -569,8 +533,8 @@ async def memory_occupation(request: web.Request) -> web.Response:
     """/release_memory_occupation and /resume_memory_occupation {tags}: give back (or allocate
     again) the weights' and/or the KV cache's memory (`Engine.release_memory_occupation`); an
     engine with requests in flight refuses (400). SGLang answers with an empty JSON body too."""
-    body = await _read_json(request, optional=True)  # a malformed body is still a 400
-    tags = _field(body, "tags", list)
+    body = await read_json(request, optional=True)  # a malformed body is still a 400
+    tags = body_field(body, "tags", list)
     if tags is not None and not all(isinstance(t, str) for t in tags):
         raise BadRequest("tags must be a list of strings (\"weights\", \"kv_cache\")")
     engine = request.app[ENGINE_KEY]
@@ -588,25 +552,38 @@ async def memory_occupation(request: web.Request) -> web.Response:
 
 @web.middleware
 async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every error as JSON (module docstring), and the server keeps serving."""
+    openai_route = request.path.startswith("/v1/")
     try:
         return await handler(request)
     except BadRequest as e:
-        if request.path.startswith("/v1/"):
-            return web.json_response({"object": "error", "message": str(e), "type": "BadRequestError", "param": None,
-                                      "code": 400}, status=400)
-        return _json_error(400, str(e))
+        if openai_route:
+            return openai_error(e.status, str(e), param=e.param, code=e.code)
+        return native_error(e.status, str(e))
     except (EngineOverloadedError, WeightsUnavailableError) as e:
-        return _json_error(503, str(e))
+        return openai_error(503, str(e)) if openai_route else native_error(503, str(e))
+    except web.HTTPException as e:  # aiohttp's own: no such route (404), wrong method (405), body too large (413)
+        if e.status < 400:
+            raise
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        return openai_error(e.status, f"{request.method} {request.path}: {e.reason}", headers=allow)
+    except ConnectionResetError:  # the client went away: nobody to answer
+        raise
+    except Exception:  # the HTTP boundary: a fault of ours, with its traceback in the log, not the client's
+        log.exception("%s %s failed", request.method, request.path)
+        return openai_error(500, f"{request.method} {request.path} failed inside the server (its log says why)")
 
 
-def create_app(engine: Engine) -> web.Application:
-    """The aiohttp application; it starts the engine with itself and stops it on cleanup."""
-    from miles_async.engine import openai  # it builds on this module's helpers
-
+def create_app(engine: Engine, served_model_name: str | None = None) -> web.Application:
+    """The aiohttp application; it starts the engine with itself and stops it on cleanup.
+    `served_model_name`: what the OpenAI routes and /metrics call the model (default: its own name,
+    `default_served_model_name`)."""
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
     app[RECEIVER_KEY] = receiver = GroupReceiver(engine)
     app[STARTED_KEY] = time.time()
+    app[MODEL_NAME_KEY] = served_model_name or default_served_model_name(engine.model_path)
+    app[LATENCY_KEY] = Histogram()
 
     async def start_engine(app: web.Application) -> None:
         await engine.start()
@@ -621,6 +598,7 @@ def create_app(engine: Engine) -> web.Application:
     routes.add_post("/generate", generate)
     routes.add_get("/health", health)
     routes.add_get("/health_generate", health_generate)
+    routes.add_get("/metrics", metrics)
     for path, handler in (("/model_info", model_info), ("/get_model_info", model_info),
                           ("/server_info", server_info), ("/get_server_info", server_info),
                           ("/get_load", get_load), ("/v1/loads", v1_loads)):
@@ -643,68 +621,6 @@ def create_app(engine: Engine) -> web.Application:
     return app
 
 
-def _require_key(api_key: str) -> Any:
-    expected = f"Bearer {api_key}".encode()
-
-    @web.middleware
-    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
-        given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            return web.json_response({"error": {"message": "missing or wrong API key (Authorization: Bearer ...)",
-                                                "type": "unauthorized"}}, status=401)
-        return await handler(request)
-
-    return check
-
-
-class AppServer(abc.ABC):
-    """An aiohttp application served on host:port (port 0: any free one) inside the running loop.
-
-    Subclasses say which application (`make_app`); `start` returns the URL, `stop` closes it, and
-    `async with` does both. handler_cancellation: a client that disconnects cancels its handler
-    (the engine then aborts its request). `api_key`: every request must carry
-    `Authorization: Bearer <api_key>` (as SGLang's `--api-key`), else HTTP 401; a multi-node run
-    sets one, since its engines listen on addresses other machines reach.
-    """
-
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> None:
-        self.host = host
-        self.port = port
-        self.api_key = api_key
-        self._runner: web.AppRunner | None = None
-
-    @abc.abstractmethod
-    def make_app(self) -> web.Application:
-        """The application to serve."""
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    async def start(self) -> str:
-        app = self.make_app()
-        if self.api_key:
-            app.middlewares.append(_require_key(self.api_key))
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
-        return self.url
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.stop()
-
-
 class EngineServer(AppServer):
     """Serve an engine on host:port (port 0: any free port) inside the running event loop.
 
@@ -712,27 +628,32 @@ class EngineServer(AppServer):
             client = EngineClient(server.url)
     """
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> None:
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+                 served_model_name: str | None = None) -> None:
         super().__init__(host, port, api_key)
         self.engine = engine
+        self.served_model_name = served_model_name
 
     def make_app(self) -> web.Application:
-        return create_app(self.engine)
+        return create_app(self.engine, self.served_model_name)
 
 
-async def serve_forever(engine: Engine, host: str, port: int, api_key: str | None = None) -> None:
+async def serve_forever(engine: Engine, host: str, port: int, api_key: str | None = None,
+                        served_model_name: str | None = None) -> None:
     """Serve until SIGINT or SIGTERM; print the URL once listening (port 0 picks a free one)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with EngineServer(engine, host, port, api_key=api_key) as server:
-        print(f"miles-async engine: serving {engine.model_path} on {server.url}", flush=True)
+    name = served_model_name or default_served_model_name(engine.model_path)
+    async with EngineServer(engine, host, port, api_key=api_key, served_model_name=name) as server:
+        print(f"miles-async engine: serving {engine.model_path} as {name!r} on {server.url}", flush=True)
         await stop.wait()
 
 
-def main(model_path: str, host: str, port: int, api_key: str | None = None, **engine_config: Any) -> int:
-    """`miles-async serve engine`: load the model, serve until interrupted."""
+def main(model_path: str, host: str, port: int, api_key: str | None = None, served_model_name: str | None = None,
+         **engine_config: Any) -> int:
+    """`miles-async serve engine`: load the model, serve (as `served_model_name`) until interrupted."""
     from miles_async.engine.core import EngineConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -745,5 +666,5 @@ def main(model_path: str, host: str, port: int, api_key: str | None = None, **en
         logging.getLogger("miles_async.engine").warning(
             "serving on %s without --api-key: anyone who reaches this address can generate and replace the weights",
             host)
-    asyncio.run(serve_forever(engine, host, port, api_key))
+    asyncio.run(serve_forever(engine, host, port, api_key, served_model_name))
     return 0

@@ -510,24 +510,53 @@ def test_routed_experts_over_http_match_the_models_routing(tmp_path):
 def test_cli_serve_engine_serves_until_sigterm(model_dir):
     process = subprocess.Popen(
         [sys.executable, "-m", "miles_async.launch.cli", "serve", "engine", "--model", str(model_dir), "--port", "0",
-         "--kv-cache-mib", "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         "--kv-cache-mib", "4", "--served-model-name", "tiny-cli"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
     try:
         line = process.stdout.readline()  # printed once listening
         assert "serving" in line, process.stderr.read() if process.poll() is not None else line
         url = line.rsplit(" on ", 1)[1].strip()
 
         async def scenario():
-            async with EngineClient(url, timeout_s=30) as client:
+            async with EngineClient(url, timeout_s=30) as client, aiohttp.ClientSession() as http:
                 await client.wait_healthy(timeout_s=30)
-                return await client.generate(text="hello", sampling_params={**GREEDY, "max_new_tokens": 3})
+                async with http.get(f"{url}/v1/models") as response:
+                    listed = await response.json()
+                return listed, await client.generate(text="hello", sampling_params={**GREEDY, "max_new_tokens": 3})
 
-        assert run(scenario())["meta_info"]["completion_tokens"] == 3
+        listed, out = run(scenario())
+        assert out["meta_info"]["completion_tokens"] == 3 and [m["id"] for m in listed["data"]] == ["tiny-cli"]
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.slow
+def test_cli_serve_session_takes_the_engines_tokenizer_and_served_name(model_dir):
+    """`miles-async serve session --engine URL` asks the engine for its tokenizer and its served name."""
+    async def scenario():
+        engine = Engine.from_pretrained(str(model_dir), config=EngineConfig(kv_cache_mib=4))
+        async with EngineServer(engine, served_model_name="tiny-cli") as server:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "miles_async.launch.cli", "serve", "session", "--engine", server.url,
+                "--port", "0", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            try:
+                line = (await process.stdout.readline()).decode()  # printed once listening
+                assert " on http" in line, (await process.stderr.read()).decode() if not line else line
+                url = line.split(" on ", 1)[1].split()[0]
+                async with aiohttp.ClientSession() as http, http.get(f"{url}/v1/models") as response:
+                    names = [m["id"] for m in (await response.json())["data"]]
+                process.send_signal(signal.SIGTERM)
+                return names, await process.wait()
+            finally:
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+
+    assert run(scenario()) == (["tiny-cli"], 0)
 
 
 def test_an_api_key_is_required_when_set(model_dir):
@@ -617,7 +646,7 @@ def test_information_endpoints_have_sglangs_shapes(model_dir):
     assert server["internal_states"][0]["num_running"] == 0 and not isinstance(server.get("config"), dict)
     assert answers["/get_load"][1] == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
     assert answers["/v1/loads"][1]["loads"][0]["num_running_reqs"] == 0
-    assert answers["/v1/models"][1]["data"][0]["id"] == str(model_dir)
+    assert answers["/v1/models"][1]["data"][0]["id"] == info["served_model_name"] == model_dir.name  # the folder's
 
 
 def test_weight_version_relabels_and_the_client_reads_labels_back(model_dir):
@@ -750,7 +779,7 @@ def test_openai_completions_with_token_prompts_echo_and_logprobs(model_dir, mode
                 "messages": [{"role": "user", "content": "12 + 34 ="}], "max_tokens": 5, "temperature": 0,
                 "logprobs": True, "top_logprobs": 2})
             bad = [await post("/v1/completions", body) for body in (
-                {"prompt": [1, 2], "n": 2}, {"prompt": [1, 2], "stream": True}, {"prompt": 3},
+                {"prompt": [1, 2], "n": 2}, {"prompt": [1, 2], "stream_options": {"include_usage": True}}, {"prompt": 3},
                 {"prompt": [1, 2], "max_tokens": -1})]
             bad.append(await post("/v1/chat/completions", {"messages": "hi"}))
             return echoed, texts, chat, bad
@@ -772,6 +801,7 @@ def test_openai_completions_with_token_prompts_echo_and_logprobs(model_dir, mode
     assert chat["object"] == "chat.completion" and message["role"] == "assistant" and isinstance(message["content"], str)
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == chat["usage"]["completion_tokens"] and all(len(c["top_logprobs"]) == 2 for c in content)
-    expected = ["n", "stream", "prompt", "max_tokens", "messages"]
-    for (status, body), field in zip(bad, expected):
-        assert status == 400 and field in body["message"] and body["object"] == "error", (field, body)
+    expected = ["n", "stream_options", "prompt", "max_tokens", "messages"]
+    for (status, body), field in zip(bad, expected):  # OpenAI's error shape
+        error = body["error"]
+        assert status == 400 and field in error["message"] and error["type"] == "invalid_request_error", (field, body)

@@ -232,7 +232,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(model_dir):
     assert "not valid JSON" in messages[0] and "n=2" in messages[1] and "non-empty" in messages[2]
     assert "robot" in messages[3] and "top_logprobs" in messages[4] and "tool_choice" in messages[5]
     assert "temperature" in messages[6] and "max_tokens" in messages[7] and "system" in messages[8]
-    assert replies[1][1]["error"]["param"] == "n" and replies[9][1]["error"]["type"] == "not_found_error"
+    assert replies[1][1]["error"]["param"] == "n" and replies[9][1]["error"]["code"] == "session_not_found"
     assert refused.status_code == 400 and "n=2" in refused.message
     assert ok.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
@@ -248,17 +248,26 @@ def test_streaming_returns_the_same_turn_as_a_plain_request(model_dir):
                 model="tiny", messages=messages, temperature=0.0, max_tokens=24, stream=True,
                 stream_options={"include_usage": True})
             chunks = [chunk async for chunk in stream]
+            bare = await client_for(server, "bare").chat.completions.create(
+                model="tiny", messages=messages, temperature=0.0, max_tokens=24, stream=True, logprobs=True)
+            bare_chunks = [chunk async for chunk in bare]
             header = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
                                  default_headers={"X-Session-Id": "by-header"})
             await header.chat.completions.create(model="tiny", messages=messages, temperature=0.0, max_tokens=4)
-            return plain, chunks, server.samples("plain"), server.samples("streamed"), set(server.sessions)
+            return plain, chunks, bare_chunks, server.samples("plain"), server.samples("streamed"), set(server.sessions)
 
-    plain, chunks, plain_samples, streamed_samples, sessions = run(scenario())
+    plain, chunks, bare, plain_samples, streamed_samples, sessions = run(scenario())
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert content == plain.choices[0].message.content
     assert finishes == [plain.choices[0].finish_reason]
-    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert chunks[0].choices[0].delta.role == "assistant"
+    # The engine server's shapes (tests/e2e/test_engine_openai.py): usage last, alone, when asked for.
+    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+        plain.usage.prompt_tokens, plain.usage.completion_tokens)
+    assert all(c.choices and c.usage is None for c in bare)
+    assert len(bare[-1].choices[0].logprobs.content) == plain.usage.completion_tokens
     assert tokens_of(streamed_samples[0]) == tokens_of(plain_samples[0])
     assert "by-header" in sessions
 
@@ -523,3 +532,47 @@ def test_take_session_returns_the_latest_branch_with_its_arrays_in_the_data_plan
     assert num_blobs == 1 and stats.num_blobs == 0
     # The session is closed: taking it again, or a session that never was, gives None; HTTP forgets it.
     assert again is None and unknown is None and status == 404
+
+
+def test_models_metrics_and_unknown_routes_answer_as_the_engine_server_does(model_dir):
+    """/v1/models/{id} and its 404, JSON 404/405 for what is not a route, and /metrics under the
+    engine server's names, read by prometheus_client's parser, counting a turn."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def scenario():
+        async with served(model_dir) as (server, _):
+            base = server.url
+            listed = await http_json("GET", f"{base}/sessions/m/v1/models")
+            card = await http_json("GET", f"{base}/v1/models/{server.model}")
+            missing = await http_json("GET", f"{base}/v1/models/gpt-4")
+            no_route = await http_json("GET", f"{base}/v2/nothing")
+            wrong_method = await http_json("GET", f"{base}/v1/chat/completions")
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"{base}/metrics") as response:
+                    before = await response.text()
+                completion = await client_for(server, "m").chat.completions.create(
+                    model="tiny", messages=[SYSTEM, {"role": "user", "content": "Hi"}], **GREEDY)
+                async with http.get(f"{base}/metrics") as response:
+                    after, content_type = await response.text(), response.headers["Content-Type"]
+            return server.model, listed, card, missing, no_route, wrong_method, before, after, content_type, completion
+
+    (name, listed, card, missing, no_route, wrong_method, before, after, content_type, completion) = run(scenario())
+    assert name == model_dir.name and [m["id"] for m in listed[1]["data"]] == [name] and card == (200, listed[1]["data"][0])
+    assert missing[0] == 404 and missing[1]["error"]["code"] == "model_not_found"
+    assert no_route[0] == 404 and wrong_method[0] == 405
+    for _, body in (missing, no_route, wrong_method):
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert content_type.startswith("text/plain; version=0.0.4")
+
+    def samples(text: str) -> dict[str, float]:
+        found = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if "le" not in s.labels}
+        assert {s.labels["model_name"] for f in text_string_to_metric_families(text) for s in f.samples} == {name}
+        return found
+
+    first, then = samples(before), samples(after)
+    assert then["sglang:num_requests_total"] - first["sglang:num_requests_total"] == 1
+    assert then["sglang:generation_tokens_total"] - first["sglang:generation_tokens_total"] == \
+        completion.usage.completion_tokens
+    assert then["sglang:prompt_tokens_total"] - first["sglang:prompt_tokens_total"] == completion.usage.prompt_tokens
+    assert then["sglang:e2e_request_latency_seconds_count"] == 1 and then["miles_async:sessions_open"] == 1
+    assert then["sglang:num_running_reqs"] == 0 and then["miles_async:weight_version"] == 0
