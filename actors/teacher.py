@@ -9,15 +9,15 @@ stage of the asynchronous loop.
                                     └──► Buffer ──► trainer: policy_loss.distill_coef folds the
                                                     per-token reverse KL into the advantage
 
-The teacher is any model on any backend (`[teacher]`: `path` or `pretrained`, and `backend`:
-"embedded", "sglang" or "vllm"), in an engine process of its own that never takes a weight
-update. For each sample that finished, the scorer reads the token arrays from the data plane and
-asks the teacher for the log-prob of every token from the first generated one on, in one
-prefill-only request: `logprob_start_len` and `max_new_tokens = 0` on SGLang's API (our engine
-answers the same; a `ScoreTokens` message for an embedded teacher, over its mailbox), vLLM's
-prompt log-probs. The request holds the trajectory's own token ids (a multi-turn episode's
-prompts, answers and tool outputs as they were, never re-rendered text); log-probs off the loss
-mask (prompts, tool outputs) are stored as 0.0, like the rollout's.
+The teacher is any model on any backend (`[teacher]`: `path`, a folder or a Hugging Face id with
+`revision`, or `pretrained`, and `backend`: "embedded", "sglang" or "vllm"), in an engine process
+of its own that never takes a weight update. For each sample that finished, the scorer reads the
+token arrays from the data plane and asks the teacher for the log-prob of every token from the
+first generated one on, in one prefill-only request: `logprob_start_len` and `max_new_tokens = 0`
+on SGLang's API (our engine answers the same; a `ScoreTokens` message for an embedded teacher,
+over its mailbox), vLLM's prompt log-probs. The request holds the trajectory's own token ids (a
+multi-turn episode's prompts, answers and tool outputs as they were, never re-rendered text);
+log-probs off the loss mask (prompts, tool outputs) are stored as 0.0, like the rollout's.
 
 Overlap and bound: a sample's engine slot is refilled before it is scored, so generation goes
 on while the teacher works, and training goes on with the batches already in the buffer; a
@@ -59,7 +59,10 @@ class TeacherConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     log-probs are its plain distribution's (temperature 1): sample the student at temperature 1 for
     the signal to be the reverse KL between the two (the run warns otherwise)."""
 
-    path: str = ""  # a Hugging Face folder (e.g. another run's final_model); "" with pretrained "": no teacher
+    # A Hugging Face folder (e.g. another run's final_model) or a Hub id `org/name`, as model.path;
+    # "" with pretrained "": no teacher.
+    path: str = ""
+    revision: str = ""  # of a Hub id: a branch, tag or commit, as model.revision
     pretrained: Literal["", "smollm2"] = ""  # a packaged model, as model.pretrained
     backend: Backend = "embedded"
     engine: EngineConfig = EngineConfig()  # an embedded teacher's engine
@@ -71,6 +74,9 @@ class TeacherConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         if self.path and self.pretrained:
             raise ValueError(f"teacher.path ({self.path!r}) and teacher.pretrained ({self.pretrained!r}) both name "
                              "the teacher: keep one")
+        if self.revision and not self.path:
+            raise ValueError(f"teacher.revision {self.revision!r} picks a revision of a Hugging Face id in "
+                             "teacher.path, but teacher.path is empty: name the id or remove teacher.revision")
         if self.max_in_flight < 1 or self.threads < 0:
             raise ValueError(f"teacher.max_in_flight must be >= 1 and teacher.threads >= 0, got "
                              f"{self.max_in_flight} and {self.threads}")
@@ -79,16 +85,26 @@ class TeacherConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     def enabled(self) -> bool:
         return bool(self.path or self.pretrained)
 
-    def folder(self) -> Path:
-        """The teacher's model folder; ValueError when `path` holds no model."""
-        if self.pretrained:
-            from miles_async.models import smollm2_checkpoint
+    def resolve(self) -> Path | None:
+        """The teacher's model folder (a local folder, a Hub id's snapshot, the prepared `pretrained`
+        one), None without a teacher; ValueError (one line) when `path` names no model."""
+        from miles_async.models import SmolLM2Unavailable, smollm2_checkpoint
+        from miles_async.models.hub import resolve_model
 
-            return Path(smollm2_checkpoint())
-        folder = Path(self.path)
-        if not (folder / "config.json").is_file():
-            raise ValueError(f"teacher.path {self.path!r} is not a model folder (no config.json there): name a Hugging "
-                             "Face folder, e.g. a finished run's final_model/")
+        if self.pretrained:
+            try:
+                return Path(smollm2_checkpoint())
+            except SmolLM2Unavailable as e:
+                raise ValueError(f"teacher.pretrained = {self.pretrained!r}: {e}") from e
+        if not self.path:
+            return None
+        return resolve_model(self.path, self.revision, key="teacher.path", revision_key="teacher.revision").folder
+
+    def folder(self) -> Path:
+        """The teacher's model folder (`resolve`); ValueError when there is no teacher."""
+        folder = self.resolve()
+        if folder is None:
+            raise ValueError("[teacher] names no model: set teacher.path or teacher.pretrained")
         return folder
 
 
