@@ -82,29 +82,34 @@ async def sft_step(trainer: TrainerGroup, dataplane: DataPlane, examples: Sequen
 
 async def warm_start(config: WarmStartConfig, *, task: Task, dataset: list[Any], probe: list[Any],
                      trainer: TrainerGroup, dataplane: DataPlane, evaluator: Evaluator,
-                     push: Callable[[], Awaitable[Any]], stop: asyncio.Event, progress: bool,
+                     push: Callable[[], Awaitable[Any]], stop: asyncio.Event, progress: Progress,
                      on_version: Callable[[int], None]) -> tuple[int, float | None]:
     """Run the warm start (module docstring); (steps taken, last probe accuracy). `push()` pushes the
-    trainer's weights to the engines; `on_version(v)` hears each new weight version."""
+    trainer's weights to the engines; `on_version(v)` hears each new weight version; `progress`
+    shows each step (phase "SFT": the loss, and the sampled probe accuracy as `eval/score`)."""
     if config.max_steps <= 0:
         return 0, None
     probe = probe[:config.num_probe]
     accuracy = None
     step = 0
-    with Progress(config.max_steps, enabled=progress) as view:
+    with progress.in_phase("SFT", config.max_steps) as view:
         for step in range(1, config.max_steps + 1):
             start = (step - 1) * config.batch_size
             items = [dataset[(start + i) % len(dataset)] for i in range(config.batch_size)]
             examples = await asyncio.to_thread(task.sft_examples, items)  # rendering is work: off the loop
             metrics = await sft_step(trainer, dataplane, examples, lr=config.lr)
             on_version(metrics.weight_version)
+            row: dict[str, float] = {"step": step, "train/loss": metrics.loss, "perf/wall_s": evaluator.now()}
             if step % config.probe_every == 0 or step == config.max_steps:
                 await push()
-                accuracy = await evaluator.score(probe, temperature=1.0)
-                view.update({"step": step, "reward_mean": accuracy, "wall_s": evaluator.now()})
-                log.debug("SFT step %d: loss %.3f, sampled probe accuracy %.3f", step, metrics.loss, accuracy)
-                if accuracy >= config.target_accuracy or stop.is_set():
+                probed = row["eval/score"] = await evaluator.score(probe, temperature=1.0)
+                accuracy = probed
+                view.update(row)
+                log.debug("SFT step %d: loss %.3f, sampled probe accuracy %.3f", step, metrics.loss, probed)
+                if probed >= config.target_accuracy or stop.is_set():
                     break
+            else:
+                view.update(row)
     log.info("SFT warm start: %d steps, sampled probe accuracy %s", step,
              "n/a" if accuracy is None else f"{accuracy:.3f}")
     return step, accuracy

@@ -23,7 +23,7 @@ In one run, on the main job's recipe (recipes/reverse.toml) with long-tailed out
 What is measured (`measured` in the JSON says it too): samples/s = trained samples over wall
 time, after the first `--warmup-steps` steps (the processes' first compiles, allocations and, in
 async, the pipeline filling): for ours, from metrics.jsonl (steps after the warm-up: their
-`num_samples` over the `wall_s` between the warm-up's last row and the last row); for TRL, its
+`train/num_samples` over the `perf/wall_s` between the warm-up's last row and the last row); for TRL, its
 per-step times (`step_s`, bench/loop_peers.py) after the same number of steps. The trainer's idle
 fraction over the same steps is sum(step_s - train_s) / sum(step_s); `whole_rl_phase` also gives the
 controller's own figures over every step (RunResult). `time_split_s` sums each step's
@@ -212,31 +212,32 @@ def ours(recipe: Path, overrides: list[str], mode: str, warm_dir: Path | None, r
     finally:
         cpu.stop()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "num_samples" in r]  # RL steps only
+    rows = [r for r in rows if "train/num_samples" in r]  # RL steps only
     if len(rows) <= warmup_steps:
         raise RuntimeError(f"{mode} run logged {len(rows)} steps, not more than the {warmup_steps} warm-up steps")
     window = rows[warmup_steps:]
-    start_s = rows[warmup_steps - 1]["wall_s"] if warmup_steps else rows[0]["wall_s"] - rows[0]["step_s"]
-    window_s = window[-1]["wall_s"] - start_s
-    samples = sum(r["num_samples"] for r in window)
-    idle_s = sum(max(r["step_s"] - r["train_s"], 0.0) for r in window)
+    start_s = (rows[warmup_steps - 1]["perf/wall_s"] if warmup_steps
+               else rows[0]["perf/wall_s"] - rows[0]["perf/step_s"])
+    window_s = window[-1]["perf/wall_s"] - start_s
+    samples = sum(r["train/num_samples"] for r in window)
+    idle_s = sum(max(r["perf/step_s"] - r["perf/train_s"], 0.0) for r in window)
     return {
         "mode": mode,
         "max_staleness": config.loop.staleness,
         "samples_per_s": round(samples / window_s, 2),
         # over the steps' own durations (one clock): wall_s stamps rows after the write-down, so
         # idle / window_s could pass 1 on a short window
-        "trainer_idle_fraction": round(idle_s / max(sum(r["step_s"] for r in window), 1e-9), 3),
+        "trainer_idle_fraction": round(idle_s / max(sum(r["perf/step_s"] for r in window), 1e-9), 3),
         "measured_steps": len(window),
         "measured_samples": samples,
         "window_s": round(window_s, 3),
-        "time_split_s": {key: round(sum(r[key] for r in window), 3) for key in ("wait_data_s", "train_s", "update_s")},
-        "step_s": _spread([r["step_s"] for r in window]),
+        "time_split_s": {key: round(sum(r[f"perf/{key}"] for r in window), 3) for key in ("wait_data_s", "train_s", "update_s")},
+        "step_s": _spread([r["perf/step_s"] for r in window]),
         # Cores in use over the window: this process (the controller's actors) and each child
         # (engine, trainer; largest first). On 2 cores, a total near 2 means they contend.
-        "cores_used": cpu.cores_used(start_time + start_s, start_time + window[-1]["wall_s"]),
-        "engine_busy_fraction_mean": round(statistics.fmean(r["engine_busy_fraction"] for r in window), 3),
-        "staleness_mean": round(statistics.fmean(r["staleness_mean"] for r in window), 3),
+        "cores_used": cpu.cores_used(start_time + start_s, start_time + window[-1]["perf/wall_s"]),
+        "engine_busy_fraction_mean": round(statistics.fmean(r["perf/engine_busy_fraction"] for r in window), 3),
+        "staleness_mean": round(statistics.fmean(r["train/staleness_mean"] for r in window), 3),
         "output_tokens": output_lengths(run_dir / "trace.jsonl", config.rollout.sampling.max_new_tokens),
         "reward_first": _round(result.reward_first),
         "reward_last": _round(result.reward_last),
@@ -389,7 +390,7 @@ def measure(settings: dict, *, recipe: Path, keep: str = "", skip_trl: bool = Fa
 
 
 _MEASURED = ("samples_per_s: trained samples / wall time over the steps after the first {warmup} (warm-up left "
-             "out); ours from metrics.jsonl (num_samples, wall_s), TRL from its per-step times. "
+             "out); ours from metrics.jsonl (train/num_samples, perf/wall_s), TRL from its per-step times. "
              "trainer_idle_fraction: sum(step_s - train_s) / sum(step_s) over that window. whole_rl_phase: the "
              "controller's RunResult over every RL step. output_tokens: every generated sample in trace.jsonl (ours).")
 

@@ -1,58 +1,51 @@
-"""Append-only JSONL logs of a run: `metrics.jsonl` (one row per train step) and `trace.jsonl`.
+"""Append-only JSONL logs of a run: `metrics.jsonl` (one row per train step), `samples.jsonl` and `trace.jsonl`.
 
-Both files are opened in append mode, so a resumed run continues the same files; each line is
+The files are opened in append mode, so a resumed run continues the same files; each line is
 flushed as it is written, so a crash loses at most the line being written. A line torn by a
 crash (no final newline) is cut off when the file is reopened, so that the first new line does
 not fuse with it into one malformed line.
 
-Metrics rows are plain dicts of numbers. The controller writes these keys (the plots in
-`observe.plot` read them; any may be absent from a row):
+Metrics rows are plain dicts of numbers, keyed by grouped names: `rollout/...` (what generation
+produced: `rollout/reward_mean`, `rollout/response_len_mean`), `train/...` (the optimizer step:
+`train/loss`, `train/grad_norm`, `train/entropy`, `train/kl`, `train/logprob_abs_diff`),
+`perf/...` (time and throughput: `perf/step_s`, `perf/samples_per_s`), `eval/...` (`eval/score`,
+an lm-eval command's `eval/<task>/<metric>`), `buffer/...` (`buffer/occupancy`,
+`buffer/dropped_stale`), and the plain `step`, the x-axis. Every key, what it means and which
+run writes it (the RL controller, `miles-async sft`) is in ONE table, `observe.names.METRICS`
+(`python -m miles_async.observe.names` prints it); any key may be absent from a row. Runs
+written before the names were grouped used flat names (`reward_mean`, `loss`, `eval_score`):
+`observe.names.upgrade_row` renames them for readers.
 
-    step, wall_s, reward_mean (scored samples only), unscored_fraction (the batch's samples whose
-    environment gave no reward), eval_score (eval steps only; with an lm-eval command also
-    eval/<task>/<metric> for each metric it returned), logprob_abs_diff, staleness_mean,
-    staleness_max, num_samples, num_tokens, num_forward_tokens (num_tokens less the repeats of
-    prompts the trainer ran once per group), samples_per_s, step_s, wait_data_s, train_s,
-    update_s, trainer_idle_fraction, engine_busy_fraction, buffer_occupancy, dropped_stale,
-    dropped_aborted, dropped_filtered, loss, grad_norm, entropy, tis_truncated_fraction and
-    mis_masked_fraction (trained tokens whose TIS weight hit the cap, or which MIS dropped),
-    response_len_mean (generated tokens per trained sample); with a distillation teacher also teacher_kl (mean per-token
-    rollout log-prob - teacher log-prob over the trained tokens: the reverse KL's estimate),
-    teacher_s and teacher_wait_s (the teacher's scoring requests and their queue, summed over the
-    step's samples), teacher_busy_fraction (the share of the step the teacher had work); with
-    loop.offload_engines also engine_resume_s (the engines taking their memory back before the
-    push that preceded this step's batch; 0 on the first step) and engine_release_s (giving it
-    back before this step trained); spec_accept_rate (the batch's draft tokens the engines
-    accepted; 0 without speculative decoding), spec_accept_length (its tokens per decoding step; 1
-    without) and draft_ce (the draft head's cross-entropy in this step's training; 0 when not trained)
-
-`MetricsLog` also mirrors every numeric value to TensorBoard under `RUN_DIR/tensorboard/` when
-`torch.utils.tensorboard` can be used (it needs the optional `tensorboard` package); otherwise
-it says so once at INFO and carries on with the JSONL file alone.
+`MetricsLog` fans each row out to the trackers `[observe]` asks for (`observe.trackers`: wandb,
+TensorBoard) under the same names, and with `observe.log_samples` writes the decoded samples of
+each step to `samples.jsonl` (`observe.samples.SampleText`) and the trackers' tables.
 
 Try it:
 
     with MetricsLog("runs/demo") as metrics, TraceLog("runs/demo") as trace:
-        metrics.log({"step": 1, "reward_mean": 0.25})
+        metrics.log({"step": 1, "rollout/reward_mean": 0.25})
         trace.write(EvalTrace(step=1, score=0.5, num_samples=64, mode="greedy"))
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import msgspec
 
 from miles_async.observe.records import TraceRecord
+from miles_async.observe.samples import SAMPLES_FILE, SampleText
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["METRICS_FILE", "TRACE_FILE", "JsonlWriter", "MetricsLog", "TraceLog"]
+    from miles_async.observe.trackers import Tracker
+
+__all__ = ["METRICS_FILE", "SAMPLES_FILE", "TRACE_FILE", "JsonlWriter", "MetricsLog", "TraceLog", "roll_back"]
 
 log = logging.getLogger("miles_async.observe")
 
@@ -150,61 +143,59 @@ class JsonlWriter:
         self.close()
 
 
-_tensorboard_unavailable_said = False
-
-
-def _open_tensorboard(log_dir: Path) -> Any | None:
-    """A SummaryWriter, or None (said once per process) when TensorBoard cannot be used."""
-    global _tensorboard_unavailable_said
-    # find_spec first: importing torch.utils.tensorboard costs a torch import, and without the
-    # `tensorboard` package it can only fail.
-    reason = None
-    if importlib.util.find_spec("tensorboard") is None:
-        reason = "the `tensorboard` package is not installed"
-    else:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            reason = f"torch.utils.tensorboard does not import ({e})"
-    if reason is not None:
-        if not _tensorboard_unavailable_said:
-            _tensorboard_unavailable_said = True
-            log.debug("TensorBoard mirror off: %s; metrics go to %s only", reason, METRICS_FILE)
-        return None
-    return SummaryWriter(log_dir=str(log_dir))
-
-
 class MetricsLog:
-    """`RUN_DIR/metrics.jsonl`, one row per train step, mirrored to TensorBoard when available.
+    """`RUN_DIR/metrics.jsonl`, one row per train step, fanned out to `trackers` (closed with it);
+    `RUN_DIR/samples.jsonl`, made on the first `log_samples`."""
 
-    `tensorboard=False` turns the mirror off without a word.
-    """
-
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: str | Path, *, trackers: Sequence[Tracker] = ()) -> None:
         self.run_dir = Path(run_dir)
         self._writer = JsonlWriter(self.run_dir / METRICS_FILE)
-        self._tensorboard = _open_tensorboard(self.run_dir / "tensorboard") if tensorboard else None
+        self._samples: JsonlWriter | None = None
+        self.trackers: list[Tracker] = list(trackers)
 
     @property
     def path(self) -> Path:
         return self._writer.path
 
+    @property
+    def samples_path(self) -> Path:
+        return self.run_dir / SAMPLES_FILE
+
+    def samples_bytes(self) -> int:
+        """How long samples.jsonl is (0: not written): a checkpoint's record of it."""
+        return self.samples_path.stat().st_size if self.samples_path.exists() else 0
+
+    def add_trackers(self, trackers: Sequence[Tracker]) -> None:
+        """Trackers opened after the log was (their rows start with the next one)."""
+        self.trackers.extend(trackers)
+
     def log(self, row: dict[str, Any]) -> None:
-        """Append one row (a dict of numbers; `step` names the x-axis in TensorBoard)."""
+        """Append one row (a dict of numbers; `step` is the x-axis of the trackers)."""
         if not isinstance(row, dict):
             raise TypeError(f"a metrics row is a dict of numbers, got {type(row).__name__}: {row!r}")
         self._writer.write(row)
-        if self._tensorboard is not None:
-            step = row.get("step")
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tensorboard.add_scalar(key, value, global_step=step)
+        for tracker in self.trackers:
+            tracker.log(row)
+
+    def log_samples(self, step: int, samples: Sequence[SampleText]) -> None:
+        """The decoded samples of step `step`: one line each in samples.jsonl, a table in the trackers."""
+        if not samples:
+            return
+        if self._samples is None:
+            self._samples = JsonlWriter(self.samples_path)
+        for sample in samples:
+            self._samples.write(sample)
+        for tracker in self.trackers:
+            tracker.log_samples(step, samples)
 
     def close(self) -> None:
+        """Close the files and the trackers (wandb's run finishes). Safe to call twice."""
         self._writer.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+        if self._samples is not None:
+            self._samples.close()
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close()
 
     def __enter__(self) -> Self:
         return self

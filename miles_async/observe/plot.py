@@ -1,13 +1,20 @@
 """Plots of a finished (or running) run, from `RUN_DIR/metrics.jsonl` into `RUN_DIR/plots/`.
 
-    reward.png     reward_mean per step, its moving mean, and eval_score where evaluated
-    mismatch.png   logprob_abs_diff per step: trainer vs engine log-probabilities
-    step_time.png  wait_data_s / train_s / update_s per step, stacked
-    staleness.png  staleness_mean and staleness_max per step
+    reward.png        rollout/reward_mean per step, its moving mean, and eval/score where evaluated
+    loss.png          train/loss (and train/pg_loss) per step with its moving mean; eval/heldout_loss (SFT)
+    kl.png            train/kl (to the reference), train/rollout_kl_k3 (rollout vs trainer), train/teacher_kl
+    entropy.png       train/entropy per step with its moving mean
+    grad_norm.png     train/grad_norm per step with its moving mean
+    response_len.png  rollout/response_len_mean: generated tokens per trained sample
+    mismatch.png      train/logprob_abs_diff per step: trainer vs engine log-probabilities
+    step_time.png     perf/wait_data_s / perf/train_s / perf/update_s per step, stacked
+    staleness.png     train/staleness_mean and train/staleness_max per step
 
 Every plot is written even when its keys are absent from the rows (it then says so on the
-canvas), so the set of files does not depend on the run's settings. When a resumed run logged a
-step twice, the later row wins.
+canvas), so the set of files does not depend on the run's settings (an SFT run has no reward;
+its loss.png is the one to read). When a resumed run logged a step twice, the later row wins. A
+run written before the metric names were grouped (`reward_mean`, `loss`) is read with its names
+upgraded (`observe.names.upgrade_row`).
 
 Run it: `miles-async plot RUN_DIR`, or `plot_run(RUN_DIR)` from Python.
 
@@ -20,18 +27,21 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from miles_async.observe.logs import METRICS_FILE
+from miles_async.observe.names import upgrade_row
 
-__all__ = ["main", "plot_run", "read_metrics"]
+__all__ = ["figures", "main", "plot_run", "read_metrics"]
 
 PLOTS_DIR = "plots"
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl, one per step, sorted by step (a later duplicate wins).
+    """The rows of a metrics.jsonl, one per step, sorted by step (a later duplicate wins), with
+    the flat names of older runs upgraded to the grouped ones.
 
     Raises FileNotFoundError when the file is missing, ValueError naming the line for a line
     that is not a JSON object with a numeric `step`, and ValueError for a file with no rows.
@@ -59,7 +69,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
                 problem = f"a metrics row needs a numeric `step`, got {step!r}"
             if problem is not None:
                 raise ValueError(f"{path}:{line_number}: {problem}")
-            by_step[step] = row
+            by_step[step] = upgrade_row(row)
     if not by_step:
         raise ValueError(f"{path}: no metrics rows yet (the file is empty); "
                          f"rows appear after the first train step")
@@ -107,21 +117,28 @@ def _say_no_data(ax: Any, keys: str) -> None:
             ha="center", va="center", color="gray")
 
 
-def _plot_reward(ax: Any, steps: list[float], rows: list[dict[str, Any]]) -> None:
-    reward = _series(rows, "reward_mean")
-    eval_score = _series(rows, "eval_score")
-    if not _has_data(reward) and not _has_data(eval_score):
-        _say_no_data(ax, "reward_mean or eval_score")
+def _plot_smoothed(ax: Any, steps: list[float], rows: list[dict[str, Any]], keys: Sequence[str], ylabel: str,
+                   points: Sequence[str] = ()) -> None:
+    """Each of `keys` per step, faint, with its moving mean over it; each of `points` (e.g. an
+    eval's score, logged on some steps only) as dots."""
+    series = {key: _series(rows, key) for key in [*keys, *points]}
+    if not any(_has_data(values) for values in series.values()):
+        _say_no_data(ax, " or ".join([*keys, *points]))
         return
-    if _has_data(reward):
-        window = max(1, min(20, len(rows) // 10))
-        ax.plot(steps, reward, color="tab:blue", alpha=0.35, linewidth=1, label="reward_mean")
-        ax.plot(steps, _moving_mean(reward, window), color="tab:blue", linewidth=2,
-                label=f"moving mean ({window} steps)")
-    if _has_data(eval_score):
-        ax.plot(steps, eval_score, "o", color="tab:red", label="eval_score")
-    ax.set_ylabel("reward")
-    ax.legend(loc="best")
+    window = max(1, min(20, len(rows) // 10))
+    for key, color in zip(keys, ("tab:blue", "tab:green", "tab:purple")):
+        values = series[key]
+        if not _has_data(values):
+            continue
+        ax.plot(steps, values, color=color, alpha=0.35 if window > 1 else 1.0, linewidth=1, label=key)
+        if window > 1:
+            ax.plot(steps, _moving_mean(values, window), color=color, linewidth=2,
+                    label=f"{key}, moving mean ({window} steps)")
+    for key, color in zip(points, ("tab:red", "tab:orange")):
+        if _has_data(series[key]):
+            ax.plot(steps, series[key], "o", color=color, markersize=5, label=key)
+    ax.set_ylabel(ylabel)
+    ax.legend(loc="best", fontsize="small")
 
 
 def _plot_lines(ax: Any, steps: list[float], rows: list[dict[str, Any]], keys: list[str], ylabel: str) -> None:
@@ -139,7 +156,7 @@ def _plot_lines(ax: Any, steps: list[float], rows: list[dict[str, Any]], keys: l
 
 
 def _plot_step_time(ax: Any, steps: list[float], rows: list[dict[str, Any]]) -> None:
-    keys = ["wait_data_s", "train_s", "update_s"]
+    keys = ["perf/wait_data_s", "perf/train_s", "perf/update_s"]
     series = [_series(rows, key) for key in keys]
     if not any(_has_data(values) for values in series):
         _say_no_data(ax, " or ".join(keys))
@@ -149,6 +166,35 @@ def _plot_step_time(ax: Any, steps: list[float], rows: list[dict[str, Any]]) -> 
     ax.stackplot(steps, *stacked, labels=keys, alpha=0.8)
     ax.set_ylabel("seconds")
     ax.legend(loc="upper left")
+
+
+def figures(rows: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """(file name, matplotlib Figure) of each plot of `rows` (as `read_metrics` returns them)."""
+    steps = _series(rows, "step")
+    out = []
+    for name, title, draw in [
+        ("reward.png", "Reward",
+         lambda ax: _plot_smoothed(ax, steps, rows, ["rollout/reward_mean"], "reward", points=["eval/score"])),
+        ("loss.png", "Loss", lambda ax: _plot_smoothed(ax, steps, rows, ["train/loss", "train/pg_loss"], "loss",
+                                                       points=["eval/heldout_loss"])),
+        ("kl.png", "KL divergence (per token)",
+         lambda ax: _plot_lines(ax, steps, rows, ["train/kl", "train/rollout_kl_k3", "train/teacher_kl"], "nats")),
+        ("entropy.png", "Entropy of the policy (per token)",
+         lambda ax: _plot_smoothed(ax, steps, rows, ["train/entropy"], "nats")),
+        ("grad_norm.png", "Gradient norm (before clipping)",
+         lambda ax: _plot_smoothed(ax, steps, rows, ["train/grad_norm"], "norm")),
+        ("response_len.png", "Response length",
+         lambda ax: _plot_smoothed(ax, steps, rows, ["rollout/response_len_mean"], "generated tokens per sample")),
+        ("mismatch.png", "Trainer vs engine log-prob mismatch",
+         lambda ax: _plot_lines(ax, steps, rows, ["train/logprob_abs_diff"], "mean |logp_train - logp_engine|")),
+        ("step_time.png", "Time per train step", lambda ax: _plot_step_time(ax, steps, rows)),
+        ("staleness.png", "Staleness (weight versions behind)",
+         lambda ax: _plot_lines(ax, steps, rows, ["train/staleness_mean", "train/staleness_max"], "versions")),
+    ]:
+        fig, ax = _new_figure(title)
+        draw(ax)
+        out.append((name, fig))
+    return out
 
 
 def plot_run(run_dir: str | Path) -> list[Path]:
@@ -161,21 +207,10 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no such run folder")
     rows = read_metrics(run_dir / METRICS_FILE)
-    steps = _series(rows, "step")
     plots_dir = run_dir / PLOTS_DIR
     plots_dir.mkdir(exist_ok=True)
-
     written = []
-    for name, title, draw in [
-        ("reward.png", "Reward", lambda ax: _plot_reward(ax, steps, rows)),
-        ("mismatch.png", "Trainer vs engine log-prob mismatch",
-         lambda ax: _plot_lines(ax, steps, rows, ["logprob_abs_diff"], "mean |logp_train - logp_engine|")),
-        ("step_time.png", "Time per train step", lambda ax: _plot_step_time(ax, steps, rows)),
-        ("staleness.png", "Staleness (weight versions behind)",
-         lambda ax: _plot_lines(ax, steps, rows, ["staleness_mean", "staleness_max"], "versions")),
-    ]:
-        fig, ax = _new_figure(title)
-        draw(ax)
+    for name, fig in figures(rows):
         path = plots_dir / name
         fig.savefig(path, format="png")
         written.append(path)

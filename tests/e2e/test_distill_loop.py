@@ -127,10 +127,10 @@ def test_a_run_with_a_teacher_records_the_stage_and_the_simulator_models_it(tmp_
     metrics = rows(out)
     assert len(metrics) == 6
     for row in metrics:
-        assert row["teacher_s"] > 0 and 0 <= row["teacher_busy_fraction"] <= 1 and row["teacher_wait_s"] >= 0
-        assert row["teacher_kl"] != 0 and row["response_len_mean"] > 0
+        assert row["perf/teacher_s"] > 0 and 0 <= row["perf/teacher_busy_fraction"] <= 1 and row["perf/teacher_wait_s"] >= 0
+        assert row["train/teacher_kl"] != 0 and row["rollout/response_len_mean"] > 0
     # (a short step may train groups scored before it began: the teacher then had nothing to do in it)
-    assert sum(row["teacher_busy_fraction"] for row in metrics) > 0
+    assert sum(row["perf/teacher_busy_fraction"] for row in metrics) > 0
     records = list(decode_trace(out / "trace.jsonl"))
     header = next(r for r in records if isinstance(r, RunTrace))
     assert header.teacher_in_flight == 4
@@ -187,7 +187,7 @@ def test_multi_turn_episodes_are_scored_on_their_own_tokens(tmp_path: Path, teac
     assert teacher is not None and (teacher[mask == 0] == 0).all() and (teacher[mask == 1] < 0).all()
     direct = np.concatenate([[0.0], model_logprobs(teacher_dir, data.token_ids().tolist())])
     np.testing.assert_allclose(teacher[mask == 1], direct[mask == 1], atol=2e-4)
-    assert all(r["teacher_s"] > 0 for r in rows(tmp_path))
+    assert all(r["perf/teacher_s"] > 0 for r in rows(tmp_path))
 
 
 @pytest.mark.slow

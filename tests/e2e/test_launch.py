@@ -204,7 +204,7 @@ def test_an_agent_run_with_the_session_server_and_engine_on_node_1(tmp_path: Pat
     if prefix is not None:  # the model went over the wire, once (the session server found it there)
         assert err0.count("to a node that lacked them") == 1, err0[-3000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["num_tokens"] / r["num_samples"] > 300 for r in metrics)  # whole conversations, through node 1
+    assert all(r["train/num_tokens"] / r["train/num_samples"] > 300 for r in metrics)  # whole conversations, through node 1
     for p in procs:
         assert session_pids(p.pid) == [], "a process of the run outlived it"
 

@@ -207,7 +207,7 @@ def test_an_lm_eval_command_is_a_runs_eval_and_its_scores_are_recorded(tmp_path)
     assert result.eval_scores == [(2, scores[CHOICE]["acc,none"])]
     [row] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
              if json.loads(line)["step"] == 2]
-    assert row["eval_score"] == scores[CHOICE]["acc,none"]
+    assert row["eval/score"] == scores[CHOICE]["acc,none"]
     assert row[f"eval/{CHOICE}/acc"] == scores[CHOICE]["acc,none"]
     assert row[f"eval/{GENERATE}/exact_match"] == scores[GENERATE]["exact_match,none"]
     assert scores[CHOICE]["sample_len"] == 4 and scores[GENERATE]["sample_len"] == 3

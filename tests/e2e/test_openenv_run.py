@@ -71,4 +71,4 @@ def test_rl_on_an_openenv_environment_takes_its_rewards_and_counts_unscored_epis
     traced = [r for r in decode_trace(tmp_path / "trace.jsonl") if isinstance(r, SampleTrace) and not r.dropped]
     assert {r.scored for r in traced} == {True, False}
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert all(0 <= r["unscored_fraction"] <= 1 for r in rows)
+    assert all(0 <= r["rollout/unscored_fraction"] <= 1 for r in rows)

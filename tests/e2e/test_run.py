@@ -24,7 +24,8 @@ from miles_async.actors.controller import run as run_loop
 from miles_async.actors.engine import EngineStatus
 from miles_async.actors.evaluation import Evaluator
 from miles_async.actors.recipe import load_recipe
-from miles_async.observe import EngineTrace, SampleTrace, StepTrace, decode_trace
+from miles_async.observe import EngineTrace, SampleTrace, StepTrace, decode_trace, read_samples
+from miles_async.observe.names import is_known
 from miles_async.runtime import run as run_async
 from miles_async.runtime import segments
 from miles_async.sim import load_trace
@@ -53,18 +54,34 @@ def run_with_fault(controller: Controller, run_dir: Path, fault):
 
 
 @pytest.mark.timeout(240)
-def test_the_recipe_runs_and_writes_metrics_trace_checkpoint_and_plots(tmp_path):
+def test_the_recipe_runs_and_writes_metrics_trace_checkpoint_and_plots(tmp_path, monkeypatch):
+    """With [observe]: wandb (the real package, offline), TensorBoard and 2 decoded samples a step."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
     out = tmp_path / "run"
     proc = run_cli(["run", str(RECIPE), "--out", str(out), "--quiet", *SHORT, "loop.num_steps=4", "eval.every=2",
-                    "eval.at_start=true"])
+                    "eval.at_start=true", "observe.wandb=true", "observe.tensorboard=true", "observe.log_samples=2"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["num_steps"] == 4 and not summary["interrupted"] and summary["sft_steps"] == 10
     assert [s for s, _ in summary["eval_scores"]] == [0, 2, 4]  # at_start: the warm-started weights too
     metrics = rows(out)
     assert [r["step"] for r in metrics] == [1, 2, 3, 4]
-    assert all(r["num_samples"] == 8 and 0 <= r["reward_mean"] <= 1 and r["step_s"] > 0 for r in metrics)
-    assert "eval_score" in metrics[1] and "eval_score" not in metrics[0]
+    assert all(r["train/num_samples"] == 8 and 0 <= r["rollout/reward_mean"] <= 1 and r["perf/step_s"] > 0 for r in metrics)
+    assert "eval/score" in metrics[1] and "eval/score" not in metrics[0]
+    assert all(is_known(key) for r in metrics for key in r), [k for r in metrics for k in r if not is_known(k)]
+    texts = read_samples(out / "samples.jsonl")  # 2 decoded samples of each step's batch
+    assert [t.step for t in texts] == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert all(t.prompt and t.num_generated_tokens > 0 and t.versions and t.finish_reason for t in texts)
+    run_id = (out / "wandb_run_id").read_text().strip()
+    [wandb_run] = (out / "wandb").glob(f"offline-run-*-{run_id}")
+    assert (wandb_run / f"run-{run_id}.wandb").stat().st_size > 0
+    assert len(list(wandb_run.glob("files/media/table/rollout/samples_*.table.json"))) == 4
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     records = decode_trace(out / "trace.jsonl")
     assert {type(r).__name__ for r in records} == {"RunTrace", "SampleTrace", "StepTrace", "UpdateTrace", "EvalTrace",
                                                    "EngineTrace"}  # (engine-0 serving)
@@ -78,8 +95,9 @@ def test_the_recipe_runs_and_writes_metrics_trace_checkpoint_and_plots(tmp_path)
     assert not (out / "final_model" / "buckets").exists()
     plots = run_cli(["plot", str(out)])
     assert plots.returncode == 0, plots.stderr
-    assert sorted(p.name for p in (out / "plots").iterdir()) == ["mismatch.png", "reward.png", "staleness.png",
-                                                                 "step_time.png"]
+    assert sorted(p.name for p in (out / "plots").iterdir()) == [
+        "entropy.png", "grad_norm.png", "kl.png", "loss.png", "mismatch.png", "response_len.png", "reward.png",
+        "staleness.png", "step_time.png"]
 
 
 @pytest.mark.timeout(240)
@@ -109,12 +127,12 @@ def test_true_on_policy_mode_from_the_recipe_gives_exactly_zero_mismatch_on_ever
     proc = run_cli(["run", str(RECIPE), "--out", str(on), "--quiet", *short, "trainer.batch_invariant=true",
                     "rollout.engine.batch_invariant=true", "loop.offload_engines=true"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["logprob_abs_diff"] for r in rows(on)] == [0.0] * 4
-    assert all(r["engine_release_s"] > 0 for r in rows(on)) and all(r["engine_resume_s"] > 0 for r in rows(on)[1:])
+    assert [r["train/logprob_abs_diff"] for r in rows(on)] == [0.0] * 4
+    assert all(r["perf/engine_release_s"] > 0 for r in rows(on)) and all(r["perf/engine_resume_s"] > 0 for r in rows(on)[1:])
     off = tmp_path / "off"
     proc = run_cli(["run", str(RECIPE), "--out", str(off), "--quiet", *short])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert any(r["logprob_abs_diff"] > 0.0 for r in rows(off))
+    assert any(r["train/logprob_abs_diff"] > 0.0 for r in rows(off))
 
 
 @pytest.mark.timeout(240)
@@ -124,7 +142,7 @@ def test_modes_bound_the_staleness_of_what_is_trained(tmp_path, mode, bound, cli
                                   f"rollout.client={client}"])
     result = run_async(Controller(config, tmp_path, progress=False).run())
     assert result.num_steps == 5
-    staleness = [r["staleness_max"] for r in rows(tmp_path)]
+    staleness = [r["train/staleness_max"] for r in rows(tmp_path)]
     assert max(staleness) <= bound
     if mode == "sync":  # lockstep: generation waits for every update, so nothing is ever stale
         assert staleness == [0] * 5
@@ -260,7 +278,8 @@ def test_an_engine_sigkilled_mid_run_leaves_no_process_no_shared_memory_and_no_w
 
 @pytest.mark.timeout(300)
 def test_a_trainer_killed_restarts_the_run_from_its_checkpoint_and_no_step_or_prompt_repeats(tmp_path):
-    config = load_recipe(RECIPE, [*SHORT, "loop.num_steps=8", "loop.checkpoint_every=3", "eval.mode=none"])
+    config = load_recipe(RECIPE, [*SHORT, "loop.num_steps=8", "loop.checkpoint_every=3", "eval.mode=none",
+                                  "observe.log_samples=1"])
     controllers: list[Controller] = []
     restarts: list[str] = []
 
@@ -281,6 +300,7 @@ def test_a_trainer_killed_restarts_the_run_from_its_checkpoint_and_no_step_or_pr
     assert len(restarts) == 1 and "trainer rank 0" in restarts[0] and "died" in restarts[0]
     assert [r["step"] for r in rows(tmp_path)] == list(range(1, 9))  # each step once: the cut ones redone
     assert (tmp_path / "metrics.rolled_back.jsonl").is_file()
+    assert [t.step for t in read_samples(tmp_path / "samples.jsonl")] == list(range(1, 9))  # rolled back too
     trace = decode_trace(tmp_path / "trace.jsonl")
     steps = [r for r in trace if isinstance(r, StepTrace)]
     assert [r.step for r in steps] == list(range(1, 9))
@@ -373,8 +393,8 @@ def test_the_multi_turn_recipe_trains_agent_episodes_through_the_session_server(
     metrics = rows(tmp_path)
     # Every sample is a whole conversation (the tools' system prompt alone is hundreds of tokens),
     # and every turn after a session's first reuses its prefix from the engine's cache.
-    assert all(r["num_tokens"] / r["num_samples"] > 300 for r in metrics)
-    assert metrics[-1]["prefix_cache_hit_rate"] > 0.5
+    assert all(r["train/num_tokens"] / r["train/num_samples"] > 300 for r in metrics)
+    assert metrics[-1]["rollout/prefix_cache_hit_rate"] > 0.5
     samples = [r for r in decode_trace(tmp_path / "trace.jsonl") if isinstance(r, SampleTrace)]
     assert samples and all(s.output_tokens > 0 for s in samples if s.finish_reason != "error")
 

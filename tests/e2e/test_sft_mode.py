@@ -44,9 +44,9 @@ def test_sft_trains_checkpoints_and_writes_a_model_folder(tmp_path: Path) -> Non
     assert summary["loss_last"] < summary["loss_first"]
     assert summary["heldout_loss_last"] < summary["heldout_loss_first"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(11)) and rows[-1]["epoch"] == 2.0
-    assert [r["step"] for r in rows if "heldout_loss" in r] == [0, 5, 10]
-    assert all(r["num_samples"] == 8 and r["tokens_per_s"] > 0 for r in rows[1:])
+    assert [r["step"] for r in rows] == list(range(11)) and rows[-1]["train/epoch"] == 2.0
+    assert [r["step"] for r in rows if "eval/heldout_loss" in r] == [0, 5, 10]
+    assert all(r["train/num_samples"] == 8 and r["perf/tokens_per_s"] > 0 for r in rows[1:])
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert checkpoints == ["step_00000008", "step_00000010"]  # every 4 steps and at the end, the newest 2
     model = load_pretrained(out / "final_model")  # a folder RL recipes start from (model.path)
@@ -69,7 +69,7 @@ def test_a_resumed_sft_run_ends_with_the_uninterrupted_runs_weights(tmp_path: Pa
     rows = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     straight_rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
-    assert [r["loss"] for r in rows] == [r["loss"] for r in straight_rows]
+    assert [r["train/loss"] for r in rows] == [r["train/loss"] for r in straight_rows]
     a, b = (load_file(str(run / "final_model" / "model.safetensors")) for run in (straight, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

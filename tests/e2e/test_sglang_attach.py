@@ -76,7 +76,7 @@ def test_a_run_trains_an_engine_it_reaches_only_through_sglangs_api(model_dir, t
         summary = json.loads((out / "summary.json").read_text())
         header = json.loads((out / "trace.jsonl").read_text().splitlines()[0])
         assert header["transport"] == "disk" and summary["num_steps"] == 6
-        last = max(r["weight_version"] for r in rows if "weight_version" in r)
+        last = max(r["train/weight_version"] for r in rows if "train/weight_version" in r)
         # every pushed version reached the server, under its label, through /update_weights_from_disk
         assert int(served_version(url)) >= last > 0
         newest = max((out / "deltas").iterdir())
@@ -99,7 +99,7 @@ def test_a_run_updates_the_server_through_sglangs_weight_update_group(model_dir,
         assert all(u["transport"] == "distributed" for u in updates)
         versions = [u["version"] for u in updates]
         assert versions == sorted(versions) and len(set(versions)) == len(versions)
-        last = max(r["weight_version"] for r in rows if "weight_version" in r)
+        last = max(r["train/weight_version"] for r in rows if "train/weight_version" in r)
         assert int(served_version(url)) == max(versions) >= last > 0  # the label rode on the last bucket
         assert not (out / "deltas").exists() or not any((out / "deltas").iterdir())
         verified = [int(v) for v in re.findall(r"version (\d+) verified by the probe", log)]

@@ -33,10 +33,10 @@ def test_the_smollm2_recipe_trains_the_pretrained_model_and_scores_it_before_and
     assert summary["num_steps"] == 2 and summary["sft_steps"] == 0
     assert [s for s, _ in summary["eval_scores"]] == [0, 2] and all(0 <= x <= 1 for _, x in summary["eval_scores"])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and all(r["num_samples"] == 32 for r in rows)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["train/num_samples"] == 32 for r in rows)
     # Step 1 trains samples of the starting weights: the gap is the bf16 engine vs the bf16-autocast
     # trainer (fp32 log-probs), measured at 0.03 per token on the full run.
-    assert 0 < rows[0]["logprob_abs_diff"] < 0.1 and rows[0]["staleness_max"] == 0
+    assert 0 < rows[0]["train/logprob_abs_diff"] < 0.1 and rows[0]["train/staleness_max"] == 0
     config = json.loads((out / "config.json").read_text())
     assert config["rollout"]["engine"]["dtype"] == "bfloat16" and config["trainer"]["compute_dtype"] == "bfloat16"
     updates = [r for r in decode_trace(out / "trace.jsonl") if type(r).__name__ == "UpdateTrace"]

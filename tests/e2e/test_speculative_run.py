@@ -25,9 +25,9 @@ def test_a_speculating_run_trains_exactly_on_policy_and_its_draft_online(tmp_pat
                     "rollout.engine.batch_invariant=true"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["logprob_abs_diff"] for r in rows] == [0.0] * 4
-    assert all(r["draft_ce"] > 0 for r in rows)
-    assert any(r["spec_accept_rate"] > 0 for r in rows) and all(r["spec_accept_length"] >= 1.0 for r in rows)
+    assert [r["train/logprob_abs_diff"] for r in rows] == [0.0] * 4
+    assert all(r["train/draft_ce"] > 0 for r in rows)
+    assert any(r["rollout/spec_accept_rate"] > 0 for r in rows) and all(r["rollout/spec_accept_length"] >= 1.0 for r in rows)
 
 
 def test_speculation_and_the_draft_setting_go_together() -> None:

@@ -63,6 +63,6 @@ def test_a_verifiers_environment_trains_in_the_loop(tmp_path):
     # The rewards are the rubric's: a random policy answers (0.25), and is almost never right.
     assert {s.reward for s in samples} <= RUBRIC_REWARDS and any(s.reward == 0.25 for s in samples)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["num_samples"] == 8 for m in metrics)
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["train/num_samples"] == 8 for m in metrics)
     # TITO: the trainer scored exactly the tokens the engine sampled (SHORT says why this is exact).
-    assert all(m["num_tokens"] > 0 for m in metrics) and [m["logprob_abs_diff"] for m in metrics] == [0.0] * 3
+    assert all(m["train/num_tokens"] > 0 for m in metrics) and [m["train/logprob_abs_diff"] for m in metrics] == [0.0] * 3

@@ -255,13 +255,13 @@ def test_the_main_job_trains_with_vllm_as_its_engine(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rewards = [r["reward_mean"] for r in rows if "reward_mean" in r]
+    rewards = [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
     first, last = sum(rewards[:50]) / 50, sum(rewards[-50:]) / 50
     print(f"vLLM main job: reward {first:.3f} (first 50 steps) -> {last:.3f} (last 50), "
           f"{summary['samples_per_s']:.0f} samples/s, eval {summary['eval_scores']}")
     assert len(rewards) == 400
     assert last > first + 0.05, rewards  # it learns
-    assert all(0 <= r["logprob_abs_diff"] < 0.5 for r in rows if "logprob_abs_diff" in r)  # the mismatch, reported
+    assert all(0 <= r["train/logprob_abs_diff"] < 0.5 for r in rows if "train/logprob_abs_diff" in r)  # the mismatch, reported
     header = json.loads((out / "trace.jsonl").read_text().splitlines()[0])
     assert header["transport"] == "disk"
     assert list(out.glob("engine-0-vllm.log")) and (out / "deltas").is_dir()
@@ -285,7 +285,7 @@ def test_lora_adapters_reach_vllm_through_its_lora_endpoint(tmp_path):
                     "--out", str(out)], timeout_s=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 6 and all(r["logprob_abs_diff"] < 1e-4 for r in rows), [r["logprob_abs_diff"] for r in rows]
+    assert len(rows) == 6 and all(r["train/logprob_abs_diff"] < 1e-4 for r in rows), [r["train/logprob_abs_diff"] for r in rows]
     base = load_pretrained(out / "model")
     full = sum(t.numel() * t.element_size() for t in base.state_dict().values())
     updates = [r for r in decode_trace(out / "trace.jsonl") if isinstance(r, UpdateTrace)]

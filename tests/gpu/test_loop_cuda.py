@@ -98,8 +98,8 @@ def test_the_main_job_trains_on_cuda_with_verified_broadcast_updates(tmp_path: P
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, NUM_STEPS + 1))
     for m in metrics:
-        assert all(math.isfinite(m[k]) for k in ("loss", "grad_norm", "entropy", "reward_mean")), m
-        assert m["staleness_max"] == 0 and m["num_samples"] > 0
+        assert all(math.isfinite(m[k]) for k in ("train/loss", "train/grad_norm", "train/entropy", "rollout/reward_mean")), m
+        assert m["train/staleness_max"] == 0 and m["train/num_samples"] > 0
         # the engine sampled from the pushed version; the trainer scores the same tokens with the
         # same weights, both on CUDA: only float rounding between their kernels apart
-        assert m["logprob_abs_diff"] < 1e-3, m
+        assert m["train/logprob_abs_diff"] < 1e-3, m
