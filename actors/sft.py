@@ -18,7 +18,8 @@ both take: examples in, through the data plane, one trainer step out.
 
 Recipe sections: `[model]` (as an RL recipe's), `[data]` (`miles_async.sft.SFTDataConfig`),
 `[loop]` (`SFTLoopConfig`: epochs or steps, batch size, learning rate, checkpoints, seed) and
-`[trainer]` (`TrainerConfig`; the run sets the objective, the paths and the seed). A key the
+`[trainer]` (`TrainerConfig`; the run sets the objective, the paths and the seed), `[observe]`
+(`miles_async.observe.ObserveConfig`: wandb, TensorBoard). A key the
 run sets is refused naming where it comes from.
 
 Try it: `miles-async sft recipes/sft-reverse.toml --out runs/sft-reverse`.
@@ -33,7 +34,6 @@ import logging
 import math
 import random
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,10 +41,11 @@ from typing import Any
 import msgspec
 
 from miles_async.actors.evaluation import as_hf_folder
-from miles_async.actors.recipe import ModelSection, check_keys, read_recipe_tree
+from miles_async.actors.preflight import model_and_tokenizer
+from miles_async.actors.recipe import DERIVED, ModelSection, load_struct, recipe_toml
 from miles_async.actors.trainer import ExportWeights, LoadCheckpoint, SaveCheckpoint, TrainerGroup
 from miles_async.actors.warmstart import as_samples, into_dataplane, sft_step
-from miles_async.models import SmolLM2Unavailable, load_tokenizer
+from miles_async.observe import ObserveConfig, Progress, open_trackers
 from miles_async.observe.logs import MetricsLog, roll_back
 from miles_async.runtime import ActorSystem
 from miles_async.runtime.dataplane import DataPlane
@@ -88,6 +89,12 @@ class SFTRecipe(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     data: SFTDataConfig = SFTDataConfig()
     loop: SFTLoopConfig = SFTLoopConfig()
     trainer: TrainerConfig = TrainerConfig()
+    observe: ObserveConfig = ObserveConfig()  # wandb, TensorBoard; log_samples is for RL runs (they generate)
+
+    def __post_init__(self) -> None:
+        if self.observe.log_samples:
+            raise ValueError("observe.log_samples is for RL recipes: an SFT run generates no samples to log; "
+                             "remove it")
 
 
 class SFTResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -106,18 +113,19 @@ class SFTResult(msgspec.Struct, frozen=True, kw_only=True):
     resumed_from: str | None
 
 
+# What the run sets in an SFT recipe: the RL recipe's (DERIVED), and the objective and learning rate.
+SFT_DERIVED = {**DERIVED, "trainer.objective": "the mode (sft)", "trainer.lr": "loop.lr"}
+
+
 def load_sft_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SFTRecipe:
-    """Read an SFT recipe and apply `key=value` overrides; ValueError naming the bad key."""
-    tree = read_recipe_tree(path, overrides)
-    for key in ("trainer.objective", "trainer.lr"):
-        section, name = key.split(".")
-        if name in tree.get(section, {}):
-            raise ValueError(f"{key} is set by the run (SFT, at loop.lr): remove it from the recipe")
-    check_keys(tree, SFTRecipe, "")
-    try:
-        return msgspec.convert(tree, SFTRecipe)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"recipe {path or '(defaults)'}: {e}") from e
+    """Read an SFT recipe and apply `key=value` overrides; ValueError naming the bad key and where
+    it was written (actors.recipe.load_struct: relative paths from the recipe's folder, too)."""
+    return load_struct(SFTRecipe, path, overrides, derived=SFT_DERIVED)
+
+
+def sft_recipe_toml(recipe: SFTRecipe) -> str:
+    """The resolved SFT recipe, every default filled in, as TOML `load_sft_recipe` reads back."""
+    return recipe_toml(msgspec.to_builtins(recipe), SFTRecipe, derived=SFT_DERIVED)
 
 
 def batch_indices(step: int, batch_size: int, num_examples: int, seed: int) -> list[int]:
@@ -156,24 +164,23 @@ class SFTRun:
         self.heldout_last: float | None = None
 
     def prepare(self) -> None:
-        """The model folder (made when the recipe makes one) and the tokenized data; ValueError
-        naming what is wrong with either, before any process starts."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            self.model_dir = self.recipe.model.folder(self.run_dir)
-        except SmolLM2Unavailable as e:
-            raise ValueError(f"model.pretrained = {self.recipe.model.pretrained!r}: {e}") from e
-        if not (self.model_dir / "config.json").is_file():
-            raise ValueError(f"model.path {str(self.model_dir)!r} holds no config.json: give a Hugging Face model folder")
-        self.data = load_sft_data(self.recipe.data, load_tokenizer(self.model_dir))
+        """The model (its folder; None when the run makes its own) and the tokenized data, checked
+        as a run's pre-flight checks them (actors.preflight) and writing nothing: ValueError naming
+        what is wrong with either, before the run folder is made."""
+        source = self.recipe.model.source()  # a bad model path, Hub id or revision: ValueError
+        if source is not None and source.commit:
+            log.info("%s", source.describe())
+        self.model_dir, tokenizer = model_and_tokenizer(self.recipe.model, self.run_dir)
+        self.data = load_sft_data(self.recipe.data, tokenizer)
 
     async def run(self) -> SFTResult:
         recipe, run_dir = self.recipe, self.run_dir
         self.started = time.perf_counter()
         if self.data is None:
             await asyncio.to_thread(self.prepare)
-        data, model_dir = self.data, self.model_dir
-        assert data is not None and model_dir is not None
+        run_dir.mkdir(parents=True, exist_ok=True)
+        data, model_dir = self.data, self.model_dir or recipe.model.folder(run_dir)  # the run's own model: made once
+        assert data is not None
         total = recipe.loop.num_steps(len(data.examples))
         log.info("SFT on %d examples (%d tokens; %d left out, %d held out), %d steps of %d", len(data.examples),
                  data.num_tokens, data.too_long + data.nothing_to_learn, len(data.heldout), total,
@@ -195,10 +202,13 @@ class SFTRun:
                     if latest is not None:
                         first = (await trainer.ask(LoadCheckpoint(path=str(latest)), ASK_S)).step
                         log.info("resumed from %s at step %d", latest, first)
-                    with MetricsLog(run_dir) as metrics:
+                    trackers = await asyncio.to_thread(  # [observe]: wandb, TensorBoard (wandb.init takes a second)
+                        open_trackers, recipe.observe, run_dir, recipe=msgspec.to_builtins(recipe),
+                        resume_step=first if self.resume else None)
+                    with MetricsLog(run_dir, trackers=trackers) as metrics:
                         if first == 0 and data.heldout:  # the starting point of the held-out curve
                             self.heldout_first = await self._heldout_loss(trainer, system.dataplane)
-                            metrics.log({"step": 0, "wall_s": self._now(), "heldout_loss": self.heldout_first})
+                            metrics.log({"step": 0, "perf/wall_s": self._now(), "eval/heldout_loss": self.heldout_first})
                         step = await self._train(trainer, system.dataplane, metrics, first, total)
                         if step > first or latest is None:
                             await self._checkpoint(trainer, metrics, background=False)
@@ -228,34 +238,32 @@ class SFTRun:
         assert data is not None
         examples = data.examples
         last_saved = (step, time.monotonic())
-        last_print = time.monotonic()
-        while step < total and not self.stop.is_set():
-            batch = [examples[i] for i in batch_indices(step, loop.batch_size, len(examples), loop.seed)]
-            t0 = time.perf_counter()
-            out = await sft_step(trainer, dataplane, batch, lr=loop.lr, data_cursor=(step + 1) * loop.batch_size)
-            elapsed = time.perf_counter() - t0
-            step += 1
-            self.losses.append(out.loss)
-            self.tokens += out.num_tokens
-            self.train_s += elapsed
-            row: dict[str, Any] = {
-                "step": step, "epoch": step * loop.batch_size / len(examples), "wall_s": self._now(), "loss": out.loss,
-                "grad_norm": out.grad_norm, "num_samples": out.num_samples, "num_tokens": out.num_tokens,
-                "num_trained_tokens": out.num_trained_tokens, "tokens_per_s": out.num_tokens / max(elapsed, 1e-9),
-                "step_s": elapsed, "lr": loop.lr}
-            if data.heldout and (step == total or (loop.eval_every and step % loop.eval_every == 0)):
-                row["heldout_loss"] = self.heldout_last = await self._heldout_loss(trainer, dataplane)
-            metrics.log(row)
-            if self.progress and (time.monotonic() - last_print >= self.progress_interval_s or step == total):
-                last_print = time.monotonic()
-                heldout = f" | held-out {row['heldout_loss']:.4f}" if "heldout_loss" in row else ""
-                print(f"sft step {step}/{total} | loss {out.loss:.4f}{heldout} | {row['tokens_per_s']:,.0f} tokens/s "
-                      f"| epoch {row['epoch']:.2f} | {row['wall_s']:.0f} s", file=sys.stderr, flush=True)
-            since_steps, since_s = step - last_saved[0], time.monotonic() - last_saved[1]
-            if step < total and ((loop.checkpoint_every and step % loop.checkpoint_every == 0)
-                                 or (loop.checkpoint_every_s and since_s >= loop.checkpoint_every_s and since_steps)):
-                await self._checkpoint(trainer, metrics, background=True)
-                last_saved = (step, time.monotonic())
+        with Progress(total, phase="SFT", silent=not self.progress, interval_s=self.progress_interval_s) as view:
+            while step < total and not self.stop.is_set():
+                batch = [examples[i] for i in batch_indices(step, loop.batch_size, len(examples), loop.seed)]
+                t0 = time.perf_counter()
+                out = await sft_step(trainer, dataplane, batch, lr=loop.lr, data_cursor=(step + 1) * loop.batch_size)
+                elapsed = time.perf_counter() - t0
+                step += 1
+                self.losses.append(out.loss)
+                self.tokens += out.num_tokens
+                self.train_s += elapsed
+                row: dict[str, Any] = {
+                    "step": step, "train/epoch": step * loop.batch_size / len(examples), "perf/wall_s": self._now(),
+                    "train/loss": out.loss, "train/grad_norm": out.grad_norm, "train/num_samples": out.num_samples,
+                    "train/num_tokens": out.num_tokens, "train/num_trained_tokens": out.num_trained_tokens,
+                    "perf/tokens_per_s": out.num_tokens / max(elapsed, 1e-9), "perf/step_s": elapsed,
+                    "train/lr": loop.lr}
+                if data.heldout and (step == total or (loop.eval_every and step % loop.eval_every == 0)):
+                    row["eval/heldout_loss"] = self.heldout_last = await self._heldout_loss(trainer, dataplane)
+                metrics.log(row)
+                view.update(row)
+                since_steps, since_s = step - last_saved[0], time.monotonic() - last_saved[1]
+                if step < total and ((loop.checkpoint_every and step % loop.checkpoint_every == 0)
+                                     or (loop.checkpoint_every_s and since_s >= loop.checkpoint_every_s
+                                         and since_steps)):
+                    await self._checkpoint(trainer, metrics, background=True)
+                    last_saved = (step, time.monotonic())
         return step
 
     async def _heldout_loss(self, trainer: TrainerGroup, dataplane: DataPlane) -> float:

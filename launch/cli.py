@@ -7,10 +7,16 @@ that serves names its process for `ps` and `top` (`miles-async: controller` for 
 `miles-async: node-1 agent` for a `launch` node, `miles-async: serve engine`); the processes a run
 starts are named by the runtime (`miles-async: engine-0`, `miles-async: trainer-0`).
 
+`run`, `sft` and `launch` take a recipe file or a shipped recipe's name (`miles-async recipes`
+lists them; launch/catalog.py). Before the run folder (--out) is made, the pre-flight
+(actors/preflight.py) checks the recipe, the model, its tokenizer and the task's data: a bad one
+is one line on stderr and exit status 2, nothing written. `--dry-run` stops there, printing the
+resolved recipe as TOML.
+
 `miles-async bench TARGET ...` passes every argument after TARGET, `--help` included, to
 `miles_async.bench.TARGET.main(argv)`.
 
-Try it: `miles-async --help`, `miles-async bench runtime --json`.
+Try it: `miles-async --help`, `miles-async run reverse --dry-run`, `miles-async bench runtime --json`.
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ def _key_value(text: str) -> str:
     return text
 
 
+RECIPE_HELP = "a recipe file, or the name of a shipped one (`miles-async recipes` lists them)"
+DRY_RUN_HELP = ("check the recipe, the model, the tokenizer and the task's data, print the resolved recipe (TOML, every "
+                "default filled in) and exit, without writing --out or starting anything")
 RESTARTS_HELP = ("when a process the run cannot go on without (a trainer rank, the scheduler, the buffer, the "
                  "session server) dies or fails, stop every process of the run and start it again from its latest "
                  "checkpoint, up to N times, as torchrun does (default: %(default)s)")
@@ -92,6 +101,20 @@ def _launch(args: argparse.Namespace, extra: list[str]) -> int:
     return launch_main(args)
 
 
+def _recipes(args: argparse.Namespace, extra: list[str]) -> int:
+    """`miles-async recipes`: the shipped recipes, what runs each, what each is and needs."""
+    from miles_async.launch.catalog import describe, shipped, shipped_folder
+
+    infos = [describe(path) for path in shipped().values()]
+    width = max(len(info.name) for info in infos)
+    for info in infos:
+        needs = f"  [needs: {'; '.join(info.needs)}]" if info.needs else ""
+        print(f"{info.name:<{width}}  {info.verb}  {info.description}{needs}")
+    print(f"\nrun one: {PROG} run NAME (sft NAME for an sft recipe) [--dry-run] [key=value ...]; "
+          f"the files: {shipped_folder()}")
+    return 0
+
+
 def _sim(args: argparse.Namespace, extra: list[str]) -> int:
     from miles_async.sim.cli import main as sim_main
 
@@ -112,46 +135,70 @@ def _init_model(args: argparse.Namespace, extra: list[str]) -> int:
 
 def _serve_engine(args: argparse.Namespace, extra: list[str]) -> int:
     from miles_async.engine.server import main as serve_engine
+    from miles_async.models.hub import resolve_model
 
-    return serve_engine(args.model, args.host, args.port, api_key=args.api_key or os.environ.get("MILES_ASYNC_API_KEY"),
+    try:  # a folder, or a Hub id's snapshot (downloaded into the Hugging Face cache if needed and allowed)
+        model = resolve_model(args.model, args.revision, key="--model", revision_key="--revision")
+    except ValueError as e:
+        print(f"{PROG} serve engine: {e}", file=sys.stderr)
+        return 2
+    if model.commit:
+        print(f"{PROG} serve engine: {model.describe()}", file=sys.stderr)
+    return serve_engine(str(model.folder), args.host, args.port,
+                        api_key=args.api_key or os.environ.get("MILES_ASYNC_API_KEY"),
                         kv_cache_mib=args.kv_cache_mib, max_running_requests=args.max_running_requests,
-                        device=args.device)
+                        device=args.device, served_model_name=args.served_model_name or model.name)
 
 
 def _refused_early(verb: str, args: argparse.Namespace) -> bool:
     """Whether `run`/`sft` is refused before importing the library (seconds: torch and the actors),
-    having said why: a resume without --out, a recipe that does not exist."""
-    from pathlib import Path
+    having said why: a resume without --out, a recipe that is neither a file nor a shipped one.
+    Sets `args.recipe_path` to the recipe's file (launch/catalog.py)."""
+    from miles_async.launch.catalog import find_recipe
 
     if args.resume and not args.out:
         print(f"{PROG} {verb}: --resume needs --out DIR (the run to continue)", file=sys.stderr)
         return True
-    if not Path(args.recipe).is_file():
-        print(f"{PROG} {verb}: recipe {args.recipe} does not exist", file=sys.stderr)
+    try:
+        args.recipe_path = find_recipe(args.recipe)
+    except ValueError as e:
+        print(f"{PROG} {verb}: {e}", file=sys.stderr)
         return True
     return False
 
 
-def _run_folder(verb: str, args: argparse.Namespace, load: Callable[[str, list[str]], Any]) -> tuple[Any, Any] | None:
-    """The recipe (`load(path, overrides)`) and the run folder of `run`/`sft`, logging set up; None
-    after saying on stderr what is wrong (a bad recipe, a folder in use)."""
+def _prepared(verb: str, args: argparse.Namespace, load: Callable[[Any, list[str]], Any],
+              check: Callable[[Any, Any], Any], dump: Callable[[Any], str]) -> tuple[Any, Any, Any] | int:
+    """`run`/`sft` up to the start: the recipe (`load(path, overrides)`), the pre-flight's result
+    (`check(recipe, out)`: everything checked before the run folder is made) and the run folder,
+    logging set up and nothing written yet. Else the exit status, having said on stderr what is
+    wrong (a bad recipe or input: 2, one line; a folder in use), or for --dry-run having printed
+    the resolved recipe (`dump(recipe)`: TOML, every default filled in): 0."""
     import logging
     import time
     from pathlib import Path
 
     try:
-        recipe = load(args.recipe, args.overrides)
+        recipe = load(args.recipe_path, args.overrides)
     except ValueError as e:
         print(f"{PROG} {verb}: {e}", file=sys.stderr)
-        return None
-    out = Path(args.out or Path("runs") / f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+        return 2
+    out = Path(args.out or Path("runs") / f"{args.recipe_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     if not args.resume and (out / "metrics.jsonl").exists():
         print(f"{PROG} {verb}: {out} already holds a run; continue it with --resume, or choose another --out",
               file=sys.stderr)
-        return None
+        return 2
     logging.basicConfig(level=log_level(args), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    print(f"{PROG} {verb}: {args.recipe} -> {out}", file=sys.stderr)
-    return recipe, out
+    try:
+        checked = check(recipe, out)
+    except ValueError as e:  # the model, the teacher, the tokenizer, the task's data: nothing written yet
+        print(f"{PROG} {verb}: the run cannot start: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(dump(recipe), end="")
+        return 0
+    print(f"{PROG} {verb}: {args.recipe_path} -> {out}", file=sys.stderr)
+    return recipe, checked, out
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -160,21 +207,22 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         return 2
     from miles_async.actors.controller import RunLostError, RunSetupError
     from miles_async.actors.controller import run as run_loop
-    from miles_async.actors.recipe import load_recipe
+    from miles_async.actors.preflight import check_run
+    from miles_async.actors.recipe import dump_recipe_toml, load_recipe
     from miles_async.runtime import SpawnError
     from miles_async.runtime import run as run_async
 
-    prepared = _run_folder("run", args, load_recipe)
-    if prepared is None:
-        return 2
-    config, out = prepared
+    prepared = _prepared("run", args, load_recipe, check_run, dump_recipe_toml)
+    if isinstance(prepared, int):
+        return prepared
+    config, checked, out = prepared
 
     def said(attempt: int, error: RunLostError) -> None:
         print(f"{PROG} run: {restart_line(attempt, args.max_restarts, error)}", file=sys.stderr)
 
     try:
         result = run_async(run_loop(config, out, resume=args.resume, progress=not args.quiet,
-                                    max_restarts=args.max_restarts, on_restart=said))
+                                    max_restarts=args.max_restarts, on_restart=said, checked=checked))
     except RunLostError as e:  # a trainer rank, the scheduler, the buffer or the session server died
         print(f"{PROG} run: {e}", file=sys.stderr)
         return 1
@@ -206,20 +254,19 @@ def _sft(args: argparse.Namespace, extra: list[str]) -> int:
     """`miles-async sft RECIPE`: supervised fine-tuning on the trainer ranks (actors/sft.py)."""
     if _refused_early("sft", args):
         return 2
-    from miles_async.actors.sft import SFTRun, load_sft_recipe
+    from miles_async.actors.sft import SFTRun, load_sft_recipe, sft_recipe_toml
     from miles_async.runtime import SpawnError
     from miles_async.runtime import run as run_async
 
-    prepared = _run_folder("sft", args, load_sft_recipe)
-    if prepared is None:
-        return 2
-    recipe, out = prepared
-    sft = SFTRun(recipe, out, resume=args.resume, progress=not args.quiet)
-    try:
-        sft.prepare()
-    except ValueError as e:  # the data file or the model folder
-        print(f"{PROG} sft: the run cannot start: {e}", file=sys.stderr)
-        return 2
+    def check(recipe: Any, out: Any) -> SFTRun:
+        sft = SFTRun(recipe, out, resume=args.resume, progress=not args.quiet)
+        sft.prepare()  # the model and the data file: ValueError, nothing written
+        return sft
+
+    prepared = _prepared("sft", args, load_sft_recipe, check, sft_recipe_toml)
+    if isinstance(prepared, int):
+        return prepared
+    _, sft, out = prepared
     try:
         result = run_async(sft.run())
     except SpawnError as e:
@@ -248,11 +295,27 @@ def _serve_session(args: argparse.Namespace, extra: list[str]) -> int:
 
     from miles_async.agents.session import main as serve_session
 
-    model = args.model
-    if model is None:
+    model, served = args.model, args.served_model_name
+    if model is not None:  # a folder, or a Hub id's snapshot (its config and tokenizer files: no weights)
+        from miles_async.models.hub import resolve_model
+
+        try:
+            resolved = resolve_model(model, args.revision, key="--model", revision_key="--revision", weights=False)
+        except ValueError as e:
+            print(f"{PROG} serve session: {e}", file=sys.stderr)
+            return 2
+        if resolved.commit:
+            print(f"{PROG} serve session: {resolved.describe()}", file=sys.stderr)
+        model, served = str(resolved.folder), served or resolved.name
+    elif args.revision:
+        print(f"{PROG} serve session: --revision {args.revision} picks a revision of a Hugging Face id: give it "
+              "with --model ORG/NAME", file=sys.stderr)
+        return 2
+    else:
         try:
             with urllib.request.urlopen(f"{args.engine[0].rstrip('/')}/get_model_info", timeout=10) as response:
-                model = json.load(response).get("tokenizer_path")
+                info = json.load(response)
+            model, served = info.get("tokenizer_path"), served or info.get("served_model_name")
         except OSError as e:
             print(f"{PROG} serve session: cannot ask {args.engine[0]} for its model ({e}); give --model DIR",
                   file=sys.stderr)
@@ -260,7 +323,7 @@ def _serve_session(args: argparse.Namespace, extra: list[str]) -> int:
         if not model:
             print(f"{PROG} serve session: {args.engine[0]} reports no tokenizer; give --model DIR", file=sys.stderr)
             return 2
-    return serve_session(args.engine, model, args.host, args.port)
+    return serve_session(args.engine, model, args.host, args.port, served_model_name=served)
 
 
 def _add_verb(subparsers, name: str, help_text: str, handler: Handler, **kwargs) -> argparse.ArgumentParser:
@@ -279,8 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
 
     run = _add_verb(verbs, "run", "run the whole loop on this node", _run)
-    run.add_argument("recipe", metavar="RECIPE.toml", help="the recipe")
+    run.add_argument("recipe", metavar="RECIPE", help=RECIPE_HELP)
     run.add_argument("--out", metavar="DIR", help="run directory (default: a new folder under runs/)")
+    run.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     run.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     run.add_argument("--max-restarts", type=_restarts, default=0, metavar="N", help=RESTARTS_HELP)
     run.add_argument("--quiet", action="store_true", help="no live progress display, warnings only")
@@ -294,8 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     sft = _add_verb(verbs, "sft", "supervised fine-tuning from a data file, on the trainer ranks", _sft)
-    sft.add_argument("recipe", metavar="RECIPE.toml", help="the SFT recipe ([model], [data], [loop], [trainer])")
+    sft.add_argument("recipe", metavar="RECIPE", help=f"the SFT recipe ([model], [data], [loop], [trainer]): {RECIPE_HELP}")
     sft.add_argument("--out", metavar="DIR", help="run directory (default: a new folder under runs/)")
+    sft.add_argument("--dry-run", action="store_true", help=DRY_RUN_HELP)
     sft.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     sft.add_argument("--quiet", action="store_true", help="no progress lines, warnings only")
     sft.add_argument("--verbose", action="store_true", help="debug logging")
@@ -307,7 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--node-rank", type=int, required=True, metavar="R", help="this node's rank, 0..N-1")
     launch.add_argument("--master-addr", required=True, metavar="A", help="address of node 0")
     launch.add_argument("--master-port", type=int, required=True, metavar="P", help="port on node 0")
-    launch.add_argument("recipe", metavar="RECIPE.toml", help="the recipe (the same on every node)")
+    launch.add_argument("recipe", metavar="RECIPE", help=f"the recipe, the same on every node: {RECIPE_HELP}")
+    launch.add_argument("--dry-run", action="store_true",
+                        help="check what node 0 checks (the recipe, the model, the tokenizer, the task's data), print "
+                        "the resolved recipe and exit, without meeting the other nodes (no secret needed), writing "
+                        "--out or starting anything")
     launch.add_argument("--host", metavar="H",
                         help="this node's address, as the others reach it (default: the one on the route to A)")
     launch.add_argument("--secret-file", metavar="F",
@@ -324,6 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("overrides", nargs="*", type=_key_value, metavar="key=value",
                         help="override a config field by dotted path")
 
+    _add_verb(verbs, "recipes", "list the shipped recipes (run one by name: miles-async run reverse)", _recipes)
+
     serve = verbs.add_parser(
         "serve", help="serve an engine or a session server", description="Serve over HTTP."
     )
@@ -334,7 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the embedded engine behind SGLang's native HTTP API",
         _serve_engine,
     )
-    engine.add_argument("--model", required=True, metavar="DIR", help="Hugging Face checkpoint folder")
+    engine.add_argument("--model", required=True, metavar="MODEL",
+                        help="a Hugging Face model folder, or a Hub id org/name (into the Hugging Face cache: HF_HOME, "
+                        "HF_TOKEN; HF_HUB_OFFLINE=1 keeps to it)")
+    engine.add_argument("--revision", default="", metavar="REV",
+                        help="of a Hub id: a branch, tag or commit (default: main)")
     engine.add_argument(
         "--host", default="127.0.0.1", metavar="H", help="address to bind (default: %(default)s)"
     )
@@ -348,13 +423,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="requests decoded together at most; more wait (default: %(default)s)")
     engine.add_argument("--device", default="cpu", metavar="DEV",
                         help='cpu, cuda, cuda:N, or auto (a GPU if one is visible) (default: %(default)s)')
+    engine.add_argument("--served-model-name", metavar="NAME",
+                        help="the model's name in the OpenAI API and /metrics (default: --model as given: a Hub id, "
+                        "or the folder's name)")
     session = _add_verb(servers, "session", "the TITO session server, OpenAI-compatible", _serve_session)
     session.add_argument("--engine", required=True, action="append", metavar="URL",
                          help="URL of an engine to route to (repeat for several; sessions stick to one)")
-    session.add_argument("--model", metavar="DIR",
-                         help="the model folder whose tokenizer to use (default: the engine's, from /get_model_info)")
+    session.add_argument("--model", metavar="MODEL",
+                         help="the model folder, or Hub id org/name, whose tokenizer to use (default: the engine's, "
+                         "from /get_model_info)")
+    session.add_argument("--revision", default="", metavar="REV",
+                         help="of a Hub id: a branch, tag or commit (default: main)")
     session.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
     session.add_argument("--port", type=int, default=8000, metavar="P", help="port (default: %(default)s)")
+    session.add_argument("--served-model-name", metavar="NAME",
+                         help="the model's name in /v1/models and /metrics (default: --model as given, else the "
+                         "engine's served name)")
 
     sim = _add_verb(verbs, "sim", "replay a recorded trace (or a synthetic scenario) in the simulator", _sim)
     sim.add_argument("trace", nargs="?", metavar="TRACE.jsonl", help="a run's trace.jsonl (or .jsonl.gz)")

@@ -3,7 +3,11 @@
     node 0:  miles-async launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 R.toml
     node 1:  miles-async launch --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 R.toml
 
-Every launcher holds the run's shared secret (`--secret-file`, or `MILES_ASYNC_SECRET`). Then:
+Every launcher holds the run's shared secret (`--secret-file`, or `MILES_ASYNC_SECRET`). First,
+node 0 runs the pre-flight (actors/preflight.py: the recipe, the model, its tokenizer, the task's
+data), so a bad input ends it with one line and status 2 before anything is written or waited
+for; `--dry-run` (on any node) stops there and prints the resolved recipe, with no rendezvous and
+no secret. Then:
 
 1. Rendezvous (`rendezvous.py`): node 0 listens on the master address (a torch.distributed
    TCPStore, as torchrun's), every node proves it holds the secret and runs the same version,
@@ -188,7 +192,8 @@ async def stop_run(system: Any, agents: dict[int, Any]) -> None:
             log.warning("node %d did not confirm that its processes stopped: %s", rank, e)
 
 
-async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str, out: Path, secret: bytes) -> int:
+async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str, out: Path, secret: bytes,
+                        checked: Any = None) -> int:
     from miles_async.actors.controller import Controller, RunLostError, run_restarting
     from miles_async.actors.fleet import LocalSpawner, Node
     from miles_async.launch.agent import RemoteSpawner, ShutdownNode
@@ -213,7 +218,7 @@ async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str
         def start(resume: bool) -> Controller:
             nonlocal joins
             controller = Controller(config, out, resume=resume, progress=not args.quiet, runtime=runtime,
-                                    system=system, nodes=nodes, engine_api_key=api_key)
+                                    system=system, nodes=nodes, engine_api_key=api_key, checked=checked)
             joins = serve_joins(system, store, rdzv, secret, controller, agents, args)
             return controller
 
@@ -277,7 +282,9 @@ def runtime_config(host: str, args: Any) -> Any:
 def main(args: Any) -> int:
     """The `launch` verb (its arguments parsed by `miles_async.launch.cli`)."""
     from miles_async.actors.controller import RunLostError, RunSetupError
-    from miles_async.actors.recipe import load_recipe
+    from miles_async.actors.preflight import check_run
+    from miles_async.actors.recipe import dump_recipe_toml, load_recipe
+    from miles_async.launch.catalog import find_recipe
     from miles_async.launch.cli import log_level
     from miles_async.launch.rendezvous import RendezvousError, load_secret, rendezvous
     from miles_async.runtime import SpawnError
@@ -289,8 +296,9 @@ def main(args: Any) -> int:
         print(f"{PROG}: --node-rank {args.node_rank} is outside 0..{args.nnodes - 1}", file=sys.stderr)
         return 2
     try:
-        config = load_recipe(args.recipe, args.overrides)
-        secret = load_secret(args.secret_file)
+        recipe = find_recipe(args.recipe)  # a file, or a shipped recipe's name
+        config = load_recipe(recipe, args.overrides)
+        secret = b"" if args.dry_run else load_secret(args.secret_file)
     except (ValueError, OSError) as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
@@ -298,8 +306,18 @@ def main(args: Any) -> int:
     if beyond:
         print(f"{PROG}: [placement] names node(s) {beyond} but --nnodes is {args.nnodes}", file=sys.stderr)
         return 2
+    out = Path(args.out or Path("runs") / f"{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    checked = None
+    if args.node_rank == 0 or args.dry_run:  # node 0's pre-flight, before the others are waited for or --out is made
+        try:
+            checked = check_run(config, out, num_nodes=args.nnodes)
+        except ValueError as e:
+            print(f"{PROG}: the run cannot start: {e}", file=sys.stderr)
+            return 2
+    if args.dry_run:
+        print(dump_recipe_toml(config), end="")
+        return 0
     host = args.host or route_address(args.master_addr, args.master_port)
-    out = Path(args.out or Path("runs") / f"{Path(args.recipe).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     key_dir = tempfile.mkdtemp(prefix=f"miles-async-keys-node{args.node_rank}-")
     try:
         rdzv, store = rendezvous(nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
@@ -311,8 +329,8 @@ def main(args: Any) -> int:
     try:
         if args.node_rank == 0:
             print(f"{PROG}: {args.nnodes} node(s) arrived: "
-                  + ", ".join(f"{n.rank}={n.host}" for n in rdzv.nodes) + f"; {args.recipe} -> {out}", file=sys.stderr)
-            return run_async(run_node_zero(args, config, rdzv, store, host, out, secret))
+                  + ", ".join(f"{n.rank}={n.host}" for n in rdzv.nodes) + f"; {recipe} -> {out}", file=sys.stderr)
+            return run_async(run_node_zero(args, config, rdzv, store, host, out, secret, checked))
         return run_async(run_other_node(args, rdzv, store, host))
     except TimeoutError as e:
         print(f"{PROG}: node {args.node_rank}: {e}", file=sys.stderr)

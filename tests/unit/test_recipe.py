@@ -1,4 +1,5 @@
-"""Recipes: the shipped one loads, overrides apply by dotted path, mistakes name the key."""
+"""Recipes: the shipped ones load, overrides apply by dotted path, mistakes name the key and where it was
+written, relative paths are taken from the recipe's folder, and a resolved recipe reads back from its TOML."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_the_shipped_recipe_loads_and_overrides_apply():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["loop.num_step=3"], "unknown key 'loop.num_step'; LoopConfig has: mode"),
+    (["loop.num_step=3"], r"unknown key 'loop.num_step' \(did you mean 'loop.num_steps'\?\); LoopConfig has: mode"),
     (["buffer.capacity=3"], "unknown key 'buffer.capacity'"),
     (["nope.x=1"], "unknown key 'nope'"),
     (['loop.num_steps="many"'], r"Expected `int`, got `str` - at `\$.loop.num_steps`"),
@@ -34,8 +35,8 @@ def test_the_shipped_recipe_loads_and_overrides_apply():
     (["model.pretrained=smollm2", "model.path=/tmp/m"], "both name the model: keep one"),
     (["trainer.compute_dtype=float16"], "compute_dtype must be"),
     (["task.config.alphabet=3"], r"task.config \(miles_async.tasks.reverse:ReverseTask\): Expected `str`"),
-    (["task.config.min_length=3"], ("unknown key\\(s\\) task.config.min_length for miles_async.tasks.reverse:ReverseTask; "
-                                    "its Config has: alphabet, min_len")),
+    (["task.config.min_length=3"], ("unknown key\\(s\\) task.config.min_length for miles_async.tasks.reverse:ReverseTask "
+                                    "\\(did you mean task.config.min_len\\?\\); its Config has: alphabet, min_len")),
     (["task.plugin=miles_async.tasks.reverse:nothing"], "miles_async.tasks.reverse has no 'nothing'"),
     (["task.plugin=miles_async.tasks.reverse:prompts"], "is not a task class"),
     (["task.plugin=miles_async.tasks.calculator:CalculatorTask"], "multi-turn: it needs \\[agent\\]"),
@@ -163,3 +164,79 @@ def test_the_resolved_recipe_holds_the_tasks_config(tmp_path):
     tree = dump_recipe(load_recipe(RECIPE))
     assert tree["task"]["config"]["alphabet"] == "fgjkmpqv" and tree["task"]["config"]["min_len"] == 4
 
+
+
+def test_a_bad_value_is_blamed_on_the_command_line_or_on_the_file(tmp_path):
+    with pytest.raises(ValueError) as raised:
+        load_recipe(RECIPE, ["loop.mode=sync", "loop.num_steps=abc"])
+    assert str(raised.value) == "command line: loop.num_steps=abc: Expected `int`, got `str` - at `$.loop.num_steps`"
+    with pytest.raises(ValueError, match=r"^command line: loop.batch_groups=100: buffer.capacity_groups \(64\) must hold"):
+        load_recipe(RECIPE, ["loop.batch_groups=100"])  # a cross-check that only the override breaks
+    with pytest.raises(ValueError, match=r"^command line: nope=1: unknown key 'nope'"):
+        load_recipe(None, ["nope=1"])
+    broken = tmp_path / "broken.toml"
+    broken.write_text('[loop]\nnum_steps = "many"\n')
+    for overrides in ([], ["loop.mode=sync"]):  # an override elsewhere does not take the blame
+        with pytest.raises(ValueError, match=f"^recipe {re.escape(str(broken))}: Expected `int`, got `str`"):
+            load_recipe(broken, overrides)
+    with pytest.raises(ValueError, match="^command line: loop.num_steps=x: Expected `int`"):
+        load_recipe(broken, ["loop.num_steps=x"])  # the override replaced the file's value: its own is wrong
+    with pytest.raises(ValueError, match="^command line: nope=1: unknown key 'nope'"):
+        load_recipe(broken, ["nope=1"])
+    small = tmp_path / "small.toml"
+    small.write_text("[buffer]\ncapacity_groups = 4\n")
+    with pytest.raises(ValueError, match=re.escape(f"recipe {small} with loop.batch_groups=6: buffer.capacity_groups "
+                                                   "(4) must hold a batch (loop.batch_groups = 6)")):
+        load_recipe(small, ["loop.batch_groups=6"])  # both take part: both are named
+
+
+def test_unknown_keys_get_the_closest_valid_one():
+    with pytest.raises(ValueError, match=r"unknown key 'rollout.sampling.temprature' \(did you mean "
+                                         r"'rollout.sampling.temperature'\?\)"):
+        load_recipe(RECIPE, ["rollout.sampling.temprature=0.5"])
+    with pytest.raises(ValueError, match=r"unknown key 'xyzzy'; RunConfig has"):  # nothing close: no guess
+        load_recipe(RECIPE, ["xyzzy=1"])
+
+
+def test_relative_paths_come_from_the_recipes_folder_and_the_command_lines_from_the_working_directory(
+        tmp_path, monkeypatch):
+    from miles_async.actors.sft import load_sft_recipe
+
+    (tmp_path / "recipes" / "data").mkdir(parents=True)
+    (tmp_path / "recipes" / "data" / "pairs.jsonl").write_text("")
+    recipe = tmp_path / "recipes" / "sft.toml"
+    recipe.write_text('[model]\npath = "Org/name"\n[data]\npath = "data/pairs.jsonl"\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    loaded = load_sft_recipe(recipe)
+    assert loaded.data.path == str(tmp_path / "recipes" / "data" / "pairs.jsonl")
+    assert loaded.model.path == "Org/name"  # nothing of that name beside the recipe: a Hub id, kept as written
+    (elsewhere / "mine.jsonl").write_text("")
+    assert load_sft_recipe(recipe, ["data.path=mine.jsonl"]).data.path == str(elsewhere / "mine.jsonl")
+    assert load_sft_recipe(recipe, ["data.path=gone.jsonl"]).data.path == "gone.jsonl"  # its reader names it
+    config = load_recipe(RECIPE.with_name("reverse-lora.toml"))
+    assert config.model.path == "runs/reverse/sft_model"  # another run's output: from the working directory
+
+
+def test_the_dry_run_toml_of_every_shipped_recipe_reads_back_the_same(tmp_path):
+    from miles_async.actors.recipe import dump_recipe, dump_recipe_toml
+    from miles_async.actors.sft import load_sft_recipe, sft_recipe_toml
+
+    loaded = 0
+    for path in sorted(RECIPE.parent.glob("*.toml")):
+        again = tmp_path / path.name
+        if path.name.startswith("sft-"):
+            sft = load_sft_recipe(path, ["trainer.policy_loss.tis_cap=none"])
+            again.write_text(sft_recipe_toml(sft))
+            assert load_sft_recipe(again) == sft
+            continue
+        try:
+            config = load_recipe(path, ["trainer.policy_loss.tis_cap=none"])  # a None that is not the default
+        except ValueError as e:  # an environment that is not installed here (openenv, verifiers)
+            assert "install" in str(e) or "cannot import" in str(e), e
+            continue
+        again.write_text(dump_recipe_toml(config))
+        assert dump_recipe(load_recipe(again)) == dump_recipe(config), path.name
+        loaded += 1
+    assert loaded >= 5

@@ -99,4 +99,5 @@ def test_the_shipped_reverse_data_is_what_write_sft_pairs_writes(tmp_path: Path)
     assert write_sft_pairs(tmp_path / "pairs.jsonl", 4000) == 4000
     assert (tmp_path / "pairs.jsonl").read_bytes() == (root / "recipes" / "data" / "reverse-sft.jsonl").read_bytes()
     recipe = load_sft_recipe(root / "recipes" / "sft-reverse.toml")
-    assert recipe.data.path == "recipes/data/reverse-sft.jsonl" and not recipe.data.chat_template
+    # The recipe writes the path from its own folder; loading it makes the path absolute.
+    assert recipe.data.path == str(root / "recipes" / "data" / "reverse-sft.jsonl") and not recipe.data.chat_template
