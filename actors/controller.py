@@ -93,7 +93,6 @@ from miles_async.actors.teacher import GetTeacherStats
 from miles_async.actors.trainer import ExportWeights, LoadCheckpoint, SaveCheckpoint, WeightManifest
 from miles_async.actors.warmstart import warm_start
 from miles_async.actors.weights import PushWeights
-from miles_async.models import load_tokenizer
 from miles_async.observe import (
     SAMPLES_FILE,
     TRACE_SCHEMA,
@@ -200,7 +199,6 @@ class Controller:
     evaluator: Evaluator
     liveness: Liveness
     progress: Progress  # the terminal's view, from the run's start (setup, SFT, RL)
-    sample_tokenizer: Any  # observe.log_samples: decodes the samples written to samples.jsonl (None: off)
 
     def __init__(self, config: RunConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
                  runtime: RuntimeConfig | None = None, system: ActorSystem | None = None,
@@ -216,6 +214,7 @@ class Controller:
         # The pre-flight's tokenizer, task and items (the CLI's, or made here), before anything is written.
         checked = checked or check_run(config, self.run_dir, num_nodes=max(node_ranks) + 1)
         self.task, self.dataset, self.probe = checked.task, checked.dataset, checked.probe
+        self.tokenizer = checked.tokenizer  # the model's: the task's, and what observe.log_samples decodes with
         self.resume = resume
         self.show_progress = progress
         self.runtime = runtime or RuntimeConfig(ask_timeout_s=ASK_S, spawn_timeout_s=120.0)
@@ -288,12 +287,8 @@ class Controller:
         return None if latest is None else (latest, state)
 
     async def _open_trackers(self) -> None:
-        """The trackers `[observe]` asks for (wandb, TensorBoard), fed every metrics row from here on,
-        and the tokenizer `observe.log_samples` decodes with."""
+        """The trackers `[observe]` asks for (wandb, TensorBoard), fed every metrics row from here on."""
         observe = self.config.observe
-        self.sample_tokenizer = None
-        if observe.log_samples:
-            self.sample_tokenizer = await asyncio.to_thread(load_tokenizer, self.folder.model_dir)
         if not (observe.wandb or observe.tensorboard):
             return
         self.progress.status("opening " + " and ".join(n for n, on in (("wandb", observe.wandb),
@@ -753,7 +748,7 @@ class Controller:
                   else decode_data(await self.system.dataplane.read(s.data)) for s in chosen]
 
         def decoded() -> list[SampleText]:
-            return [decode(self.sample_tokenizer, [] if data is None else data.token_ids().tolist(),
+            return [decode(self.tokenizer, [] if data is None else data.token_ids().tolist(),
                            s.num_prompt_tokens, step=launched.step, prompt_id=s.prompt_id, index=s.index,
                            reward=s.reward, scored=s.scored, versions=list(s.weight_versions),
                            finish_reason=s.finish_reason, num_generated_tokens=s.num_generated_tokens)

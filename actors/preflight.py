@@ -5,6 +5,7 @@ the run folder (`--out`), so that a bad input costs one line on stderr and leave
 `--dry-run` is these checks without the run. In order:
 
 - placement: every node the recipe's `[placement]` names is one of the run's;
+- the trackers: `[observe]` wandb importable, with a key unless it logs offline (WANDB_MODE);
 - the model: `[model]` resolved (`ModelSection.resolve`: a local folder, a Hub id's snapshot, the
   packaged `pretrained` one), its config.json of a family we run, its tokenizer read. A run that
   makes its own model (`init_model` under the run folder) has it made once more here, in a scratch
@@ -31,6 +32,7 @@ from typing import Any
 
 from miles_async.actors.recipe import ModelSection, RunConfig
 from miles_async.models import ModelConfig, Tokenizer, init_model, load_tokenizer
+from miles_async.observe import check_trackers
 from miles_async.task import Task, load_task
 
 __all__ = ["Checked", "check_run", "model_and_tokenizer"]
@@ -86,6 +88,7 @@ def check_run(config: RunConfig, run_dir: str | Path | None = None, *, num_nodes
         fix = "launch that many nodes (miles-async launch)" if num_nodes == 1 else f"--nnodes is {num_nodes}"
         raise ValueError(f"[placement] puts work on node(s) {beyond} but the run has {num_nodes} node(s): {fix}, or "
                          "change [placement]")
+    check_trackers(config.observe)  # wandb asked for: importable, and a key unless it logs offline
     model_dir, tokenizer = model_and_tokenizer(config.model, Path(run_dir) if run_dir is not None else None)
     teacher_dir = config.teacher.resolve()
     if teacher_dir is not None:

@@ -45,7 +45,7 @@ from miles_async.actors.preflight import model_and_tokenizer
 from miles_async.actors.recipe import DERIVED, ModelSection, load_struct, recipe_toml
 from miles_async.actors.trainer import ExportWeights, LoadCheckpoint, SaveCheckpoint, TrainerGroup
 from miles_async.actors.warmstart import as_samples, into_dataplane, sft_step
-from miles_async.observe import ObserveConfig, Progress, open_trackers
+from miles_async.observe import ObserveConfig, Progress, check_trackers, open_trackers
 from miles_async.observe.logs import MetricsLog, roll_back
 from miles_async.runtime import ActorSystem
 from miles_async.runtime.dataplane import DataPlane
@@ -167,6 +167,7 @@ class SFTRun:
         """The model (its folder; None when the run makes its own) and the tokenized data, checked
         as a run's pre-flight checks them (actors.preflight) and writing nothing: ValueError naming
         what is wrong with either, before the run folder is made."""
+        check_trackers(self.recipe.observe)
         source = self.recipe.model.source()  # a bad model path, Hub id or revision: ValueError
         if source is not None and source.commit:
             log.info("%s", source.describe())

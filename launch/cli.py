@@ -255,6 +255,7 @@ def _sft(args: argparse.Namespace, extra: list[str]) -> int:
     if _refused_early("sft", args):
         return 2
     from miles_async.actors.sft import SFTRun, load_sft_recipe, sft_recipe_toml
+    from miles_async.observe import TrackerError
     from miles_async.runtime import SpawnError
     from miles_async.runtime import run as run_async
 
@@ -271,6 +272,9 @@ def _sft(args: argparse.Namespace, extra: list[str]) -> int:
         result = run_async(sft.run())
     except SpawnError as e:
         return _spawn_failed("sft", e)
+    except TrackerError as e:  # wandb could not start (a key it refused, no network): its own line
+        print(f"{PROG} sft: the run cannot start: {e}", file=sys.stderr)
+        return 2
     return _summary(out, result)
 
 

@@ -46,6 +46,7 @@ from miles_async.observe.trackers import (
     Tracker,
     TrackerError,
     WandbTracker,
+    check_trackers,
     open_trackers,
 )
 
@@ -74,6 +75,7 @@ __all__ = [
     "TrackerError",
     "UpdateTrace",
     "WandbTracker",
+    "check_trackers",
     "decode_trace",
     "open_trackers",
     "plot_run",

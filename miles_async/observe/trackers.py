@@ -27,8 +27,11 @@ wandb and torch are imported here lazily, only when a tracker opens.
 from __future__ import annotations
 
 import logging
+import netrc
+import os
 import re
 import secrets
+import urllib.parse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,7 +39,8 @@ from typing import Any, Protocol
 from miles_async.observe.config import ObserveConfig
 from miles_async.observe.samples import SAMPLE_COLUMNS, SampleText
 
-__all__ = ["WANDB_ID_FILE", "TensorBoardTracker", "Tracker", "TrackerError", "WandbTracker", "open_trackers"]
+__all__ = ["WANDB_ID_FILE", "TensorBoardTracker", "Tracker", "TrackerError", "WandbTracker", "check_trackers",
+           "open_trackers"]
 
 log = logging.getLogger("miles_async.observe")
 
@@ -84,6 +88,27 @@ def _import_wandb() -> Any:
         raise ValueError(f"observe.wandb = true needs the wandb package ({e}): "
                          "pip install 'miles-async[wandb]'") from e
     return wandb
+
+
+def check_trackers(config: ObserveConfig) -> None:
+    """What can be known of the trackers `[observe]` asks for before a run folder exists (the
+    pre-flight): wandb importable, and, unless it logs offline, a key to log with (WANDB_API_KEY or
+    `wandb login`'s netrc entry; its value is never read out). ValueError naming the fix."""
+    if not config.wandb:
+        return
+    _import_wandb()
+    mode = os.environ.get("WANDB_MODE", "").lower()
+    if mode in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
+    try:
+        logged_in = netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):  # no netrc file (the usual case), or one wandb cannot read either
+        logged_in = False
+    if not logged_in:
+        raise ValueError(f"observe.wandb = true, but no wandb key is set for {host}: set WANDB_API_KEY (or run "
+                         "`wandb login`), set WANDB_MODE=offline to log with no network (then `wandb sync`), or "
+                         "observe.wandb = false")
 
 
 class WandbTracker:

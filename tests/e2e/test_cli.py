@@ -141,11 +141,16 @@ def in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     (["sft", "sft-reverse"], ["trainer.lr=1"], "trainer.lr is set by the run from loop.lr"),
     ([*LAUNCH_ONE_NODE, "reverse"], ["model.path=no/such/model/folder"], "launch: the run cannot start: model.path"),
     ([*LAUNCH_ONE_NODE, "reverse", "--dry-run"], ["model.path=no/such/model/folder"], "the run cannot start: model"),
+    (["run", "reverse"], ["observe.wandb=true"], "observe.wandb = true, but no wandb key is set for api.wandb.ai"),
+    (["sft", "sft-reverse"], ["observe.wandb=true"], "observe.wandb = true, but no wandb key is set"),
 ])
 def test_bad_input_is_one_line_status_2_and_nothing_written(argv: list[str], overrides: list[str], message: str,
                                                            tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                            monkeypatch: pytest.MonkeyPatch, in_process: None) -> None:
     monkeypatch.setenv("MILES_ASYNC_SECRET", "a secret of more than sixteen bytes")  # launch: refused before it
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):  # wandb online, with no key to log with
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     out = tmp_path / "out"
     status = cli.main([*argv, "--out", str(out), *overrides])
     err = capsys.readouterr().err
