@@ -1,7 +1,7 @@
 """The task plug-in: what a run trains on, named in the recipe, behind one small Protocol.
 
     [task]
-    plugin = "miles_async.tasks.reverse:ReverseTask"   # package.module:Class
+    plugin = "miles_async.tasks.reverse:ReverseTask"   # package.module:Class, or a built-in name: "reverse"
     num_prompts = 20000
     [task.config]                                       # the plug-in's own `Config` struct
     min_len = 4
@@ -17,13 +17,17 @@ refused naming the valid ones) built as `Task(config, tokenizer)`. It gives the 
 - `Item`: the type of its items, to decode one that crossed a node as plain data.
 
 No role (`miles_async.actors`) imports a task module: the controller and the rollout workers load
-the plug-in by its path (`load_task`). The shipped tasks are `miles_async.tasks.reverse:ReverseTask`
-(the main job), `miles_async.tasks.calculator:CalculatorTask` (multi-turn, with a tool) and
-`miles_async.tasks.arithmetic:ArithmeticTask` (addition for a pretrained chat model).
+the plug-in by its path (`load_task`). The shipped tasks, each also named by its short name
+(`BUILT_IN_TASKS`): `reverse` (`miles_async.tasks.reverse:ReverseTask`, the main job), `dataset`
+(`miles_async.tasks.dataset:DatasetTask`: your JSONL, JSON, Parquet or Hub dataset of prompts and
+answers, with a math, exact, regex or own reward), `calculator`
+(`miles_async.tasks.calculator:CalculatorTask`, multi-turn, with a tool) and `arithmetic`
+(`miles_async.tasks.arithmetic:ArithmeticTask`, addition for a pretrained chat model).
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, Protocol, cast, runtime_checkable
@@ -31,6 +35,13 @@ from typing import Any, ClassVar, Literal, Protocol, cast, runtime_checkable
 import msgspec
 
 Split = Literal["train", "probe"]
+# The shipped tasks' short names, for `[task] plugin` (the long form works too).
+BUILT_IN_TASKS = {
+    "reverse": "miles_async.tasks.reverse:ReverseTask",
+    "dataset": "miles_async.tasks.dataset:DatasetTask",
+    "calculator": "miles_async.tasks.calculator:CalculatorTask",
+    "arithmetic": "miles_async.tasks.arithmetic:ArithmeticTask",
+}
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,8 +98,13 @@ def load_object(path: str, what: str) -> Any:
 
 
 def task_class(spec: TaskSpec) -> type[Task]:
-    """The plug-in's class, checked to look like a task."""
-    cls = load_object(spec.plugin, "task.plugin")
+    """The plug-in's class (a built-in name, or `package.module:Class`), checked to look like a task."""
+    if spec.plugin not in BUILT_IN_TASKS and ":" not in spec.plugin:
+        close = difflib.get_close_matches(spec.plugin, BUILT_IN_TASKS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"task.plugin {spec.plugin!r} is neither a built-in task{hint} ({', '.join(BUILT_IN_TASKS)}) "
+                         "nor 'package.module:Class'")
+    cls = load_object(BUILT_IN_TASKS.get(spec.plugin, spec.plugin), "task.plugin")
     missing = [name for name in ("Config", "Item", "items", "prompt_ids", "reward", "sft_examples")
                if not hasattr(cls, name)]
     if not isinstance(cls, type) or missing:
@@ -103,7 +119,10 @@ def task_config(spec: TaskSpec) -> msgspec.Struct:
     fields = [f.encode_name for f in msgspec.structs.fields(cls.Config)]
     unknown = sorted(set(spec.config) - set(fields))
     if unknown:
-        raise ValueError(f"unknown key(s) task.config.{', task.config.'.join(unknown)} for {spec.plugin}; "
+        matches = (difflib.get_close_matches(key, fields, n=1) for key in unknown)
+        close = [f"task.config.{match[0]}" for match in matches if match]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ValueError(f"unknown key(s) task.config.{', task.config.'.join(unknown)} for {spec.plugin}{hint}; "
                          f"its Config has: {', '.join(fields)}")
     try:
         return msgspec.convert(spec.config, cls.Config)
