@@ -53,6 +53,11 @@ def matmul_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     to MKL's slower generic path, and the bound must stay a bound)."""
     from miles_async.kernels import onednn
 
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        # No native bf16 (AVX512-BF16, AMX): `mm` emulates every product (tens of seconds a 2048
+        # cube), while bf16 autocast work can run on the fp32 units after conversion: the bound is
+        # the faster of the two, the emulated one measured on a 512 cube (the same per-FLOP rate).
+        return max(matmul_rate(torch.float32, n, repeats), _emulated_rate(dtype, min(n, 512), repeats))
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     out = torch.empty(n, n, dtype=dtype)
     seconds = _best_s(lambda: torch.mm(a, b, out=out), repeats)
@@ -60,6 +65,12 @@ def matmul_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
         packed = onednn.prepack(b.t().contiguous())
         seconds = min(seconds, _best_s(lambda: onednn.linear(a, packed, None), repeats))
     return 2 * n**3 / seconds
+
+
+def _emulated_rate(dtype: torch.dtype, n: int, repeats: int) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    return 2 * n**3 / _best_s(lambda: torch.mm(a, b, out=out), repeats)
 
 
 def _meta_model(cfg: ModelConfig) -> torch.nn.Module:
