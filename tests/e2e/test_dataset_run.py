@@ -70,8 +70,8 @@ def test_bad_dataset_inputs_stop_the_run_before_it_writes(tmp_path: Path) -> Non
     for overrides, message in [
         ([], f"{start}{rows}:2: the row has no 'answer' (task.config.label_key); it has: prompt"),
         ([f'task.config.path="{tmp_path}/nope.jsonl"'], f"{start}task.config.path '{tmp_path}/nope.jsonl' does not"),
-        (['task.config.reward="exat"'], f"{line}task.config (dataset): task.config.reward 'exat' is not a reward (did "
-                                        "you mean 'exact'?)"),
+        (['task.config.reward="exat"'], (f"{line}task.config (dataset): task.config.reward 'exat' is not a reward (did "
+                                        "you mean 'exact'?)")),
     ]:
         done = cli(["run", str(recipe), "--out", str(out), *overrides])
         assert done.returncode == 2, done.stderr[-3000:]
