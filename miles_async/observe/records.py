@@ -101,6 +101,7 @@ Write with `logs.TraceLog`; read back with `decode_trace(path)`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -209,21 +210,27 @@ TraceRecord = RunTrace | SampleTrace | StepTrace | UpdateTrace | EvalTrace | Eng
 _decoder = msgspec.json.Decoder(TraceRecord)
 
 
+def decode_jsonl(path: str | Path, decoder: msgspec.json.Decoder, what: str) -> list[Any]:
+    """Every line of a JSONL file of `decoder`'s type, in file order; blank lines are skipped.
+    ValueError naming the file and line of one that is not `what` (bad JSON, a missing or
+    mistyped field)."""
+    path = Path(path)
+    records: list[Any] = []
+    with path.open("rb") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(decoder.decode(line))
+            except msgspec.DecodeError as e:
+                raise ValueError(f"{path}:{line_number}: not {what} ({e}); line starts {line[:80]!r}") from e
+    return records
+
+
 def decode_trace(path: str | Path) -> list[TraceRecord]:
     """Every record of a trace.jsonl, in file order; blank lines are skipped.
 
     Raises ValueError naming the file and line number for a line that is not a valid record
     (bad JSON, unknown `kind`, a missing or mistyped field).
     """
-    path = Path(path)
-    records: list[TraceRecord] = []
-    with path.open("rb") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(_decoder.decode(line))
-            except msgspec.DecodeError as e:
-                raise ValueError(f"{path}:{line_number}: not a trace record ({e}); "
-                                 f"line starts {line[:80]!r}") from e
-    return records
+    return decode_jsonl(path, _decoder, "a trace record")

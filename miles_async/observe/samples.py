@@ -18,6 +18,8 @@ from typing import Any
 
 import msgspec
 
+from miles_async.observe.records import decode_jsonl
+
 __all__ = ["SAMPLES_FILE", "SAMPLE_COLUMNS", "SampleText", "decode", "pick", "read_samples"]
 
 SAMPLES_FILE = "samples.jsonl"
@@ -63,14 +65,4 @@ _decoder = msgspec.json.Decoder(SampleText)
 
 def read_samples(path: str | Path) -> list[SampleText]:
     """Every line of a samples.jsonl; ValueError naming the line of a malformed one."""
-    path = Path(path)
-    out = []
-    with path.open("rb") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                out.append(_decoder.decode(line))
-            except msgspec.DecodeError as e:
-                raise ValueError(f"{path}:{line_number}: not a sample ({e})") from e
-    return out
+    return decode_jsonl(path, _decoder, "a sample")
