@@ -43,10 +43,11 @@ import torch
 from miles_async.engine import compute
 from miles_async.engine.backend import check_score_start
 from miles_async.engine.client import EngineOutput
-from miles_async.engine.core import Engine, EngineConfig
+from miles_async.engine.core import Engine, EngineConfig, resolve_device
 from miles_async.engine.request import GenerateRequest
 from miles_async.engine.sampling import SamplingParams
 from miles_async.engine.server import EngineServer
+from miles_async.kernels.precision import auto_dtype
 from miles_async.runtime import Actor, Message, handler
 from miles_async.transport import colocated
 from miles_async.transport.broadcast import layout_from_json, recv_buckets
@@ -207,7 +208,7 @@ class EngineActor(Actor):
                  api_key: str | None = None) -> None:
         self.model_dir = model_dir
         self.config = config or EngineConfig()
-        self.dtype = self.config.dtype
+        self.dtype = self.config.dtype  # "auto" until on_start resolves it on the engine's device
         self.http = (http_host, http_port)
         self.api_key = api_key  # required of HTTP clients (a multi-node run's engines listen off loopback)
         self.num_threads = num_threads  # torch threads of the compute thread; 0 leaves torch's default
@@ -220,6 +221,9 @@ class EngineActor(Actor):
     async def on_start(self) -> None:
         if self.num_threads:
             await compute.run(torch.set_num_threads, self.num_threads)
+        if self.dtype == "auto":
+            self.dtype = auto_dtype("auto", resolve_device(self.config.device))
+            log.info("%s: dtype auto is %s on %s", self.name, self.dtype, self.config.device)
         self.engine = await compute.run(Engine.from_pretrained, self.model_dir, config=self.config,
                                         dtype=DTYPES[self.dtype])
         await self.engine.start()

@@ -73,6 +73,7 @@ from miles_async.engine.request import (
 from miles_async.engine.sampling import filtered_log_probs, make_generator, sample
 from miles_async.engine.weights import WeightStore, parse_version
 from miles_async.kernels import cpu_kernels, onednn, quant
+from miles_async.kernels.precision import auto_dtype
 from miles_async.models.draft import PREFIX as DRAFT_PREFIX
 from miles_async.models.draft import has_draft
 from miles_async.models.lora import LoraConfig, add_lora, lora_state, merge_lora
@@ -129,8 +130,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # of the generator shared by requests without a sampling_seed
     # The weights' and activations' dtype: of an `EngineActor`'s model (a run's engines) and of
-    # `Engine.from_pretrained`'s; `Engine(model)` serves the model it is given as it is.
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # `Engine.from_pretrained`'s; `Engine(model)` serves the model it is given as it is. "auto":
+    # bfloat16 where the engine's device computes it natively (a GPU from Ampere on, a CPU with
+    # AVX512-BF16 or AMX), else float32 (kernels/precision.py).
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     # True on-policy mode: the paged attention and the model (the engine switches the model it is
     # given) run batch-invariant kernels, so a token's log-prob equals the trainer's, in the same
     # mode, bit for bit. Costs throughput: ~2.5x fewer tokens/s on the tiny model on CPU.
@@ -413,13 +416,14 @@ class Engine:
     def from_pretrained(cls, path: str, *, config: EngineConfig | None = None,
                         dtype: torch.dtype | None = None) -> Engine:
         """Load a Hugging Face checkpoint folder (and its tokenizer, if it has one) onto `config.device`,
-        in `dtype` (default: `config.dtype`)."""
+        in `dtype` (default: `config.dtype`, "auto" resolved for that device)."""
         from miles_async.models import load_pretrained
         from miles_async.models.tokenizer import load_tokenizer
 
         config = config or EngineConfig()
         device = resolve_device(config.device)  # before loading: a clear error for CUDA
-        model = compute.run_sync(load_pretrained, path, dtype=dtype or getattr(torch, config.dtype), device=device)
+        dtype = dtype or getattr(torch, auto_dtype(config.dtype, device))
+        model = compute.run_sync(load_pretrained, path, dtype=dtype, device=device)
         # Without tokenizer.json the engine takes token ids only; text requests get a 400.
         tokenizer = load_tokenizer(path) if (Path(path) / "tokenizer.json").is_file() else None
         return cls(model, tokenizer=tokenizer, config=config, model_path=str(path))

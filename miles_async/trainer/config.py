@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
 from miles_async.models.lora import LoraConfig
 from miles_async.rl import AdvantageConfig, PolicyLossConfig
+
+if TYPE_CHECKING:
+    import torch
 
 OBJECTIVES: tuple[str, ...] = ("rl", "sft")
 OLD_LOGPROBS: tuple[str, ...] = ("trainer", "rollout")
@@ -42,7 +45,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str = "float32"  # of the weights and the optimizer state (the master copy)
     # The matmuls' dtype: "bfloat16" runs the model's forward and backward under torch.autocast
     # (mixed precision: fp32 master weights, AdamW state and gradients; bf16 matmuls, 4x the fp32
-    # rate on a CPU with AVX512-BF16), while the log-probs over the vocabulary stay in fp32.
+    # rate on a CPU with AVX512-BF16), while the log-probs over the vocabulary stay in fp32. "auto":
+    # "bfloat16" where the rank's device computes bf16 natively (kernels/precision.py), the weights
+    # are float32 and batch_invariant is off; else "float32" (emulated bf16 is slower than fp32).
     compute_dtype: str = "float32"
     backend: str = "auto"
     num_threads: int = 0  # torch intra-op threads per rank; 0 leaves torch's default
@@ -117,8 +122,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {self.backend!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
+        if self.compute_dtype not in ("float32", "bfloat16", "auto"):
+            raise ValueError(f"compute_dtype must be 'float32', 'bfloat16' or 'auto', got {self.compute_dtype!r}")
         if self.compute_dtype == "bfloat16" and (self.dtype != "float32" or self.batch_invariant):
             raise ValueError("compute_dtype = 'bfloat16' is mixed precision over float32 weights: it needs "
                              f"dtype = 'float32' (got {self.dtype!r}) and batch_invariant = false")
@@ -148,3 +153,12 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
                              "alone); set trainer.draft = 'none' or drop LoRA")
         if not (math.isfinite(self.optimizer_bucket_mib) and self.optimizer_bucket_mib > 0):
             raise ValueError(f"optimizer_bucket_mib must be a positive number of MiB, got {self.optimizer_bucket_mib}")
+
+    def on_device(self, device: torch.device) -> TrainerConfig:
+        """This config with compute_dtype "auto" made "bfloat16" or "float32" for a rank on `device`."""
+        from miles_async.kernels.precision import auto_dtype
+
+        if self.compute_dtype != "auto":
+            return self
+        native = self.dtype == "float32" and not self.batch_invariant
+        return msgspec.structs.replace(self, compute_dtype=auto_dtype("auto", device) if native else "float32")

@@ -107,6 +107,7 @@ class Trainer:
     """Model (FSDP2-sharded), AdamW and the train step of one rank; the process group must exist."""
 
     def __init__(self, config: TrainerConfig, device: torch.device) -> None:
+        config = config.on_device(device)  # compute_dtype "auto" made concrete
         self.config = config
         self.device = device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()

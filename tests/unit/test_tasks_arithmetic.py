@@ -105,4 +105,4 @@ def test_the_shipped_recipe_loads() -> None:
 
     config = load_recipe(Path(__file__).parents[2] / "recipes" / "smollm2-math.toml")
     assert config.model.pretrained == "smollm2" and config.task.plugin == PLUGIN
-    assert config.trainer.compute_dtype == "bfloat16" and config.eval.at_start
+    assert config.trainer.compute_dtype == config.rollout.engine.dtype == "auto" and config.eval.at_start
