@@ -6,6 +6,7 @@
     python3 dev.py test [ARGS...]        # the test suite; ARGS go to pytest
     python3 dev.py test --python 3.10 tests/unit  # the unit tests under Python 3.10 (CI's second run)
     python3 dev.py typecheck [ARGS...]   # mypy (pyproject.toml's [tool.mypy]); ARGS go to mypy
+    python3 dev.py docs [ARGS...]        # the docs site: generated pages checked, mkdocs build --strict
     python3 dev.py vllm                  # .venv-vllm: vLLM's CPU build, for tests/e2e/test_vllm.py
     python3 dev.py verifiers             # .venv-verifiers: Verifiers 0.4, for tests/e2e/test_verifiers.py
 
@@ -101,7 +102,7 @@ VLLM_STRAYS = ["torchvision", "torchaudio", "torchcodec"]  # pulled in by VLLM, 
 VERIFIERS = "verifiers==0.4.0"  # pyproject.toml's [verifiers] extra; named here for the stamp and the messages
 VERIFIERS_TEST_ENV = "tests/data/verifiers_calc"  # the Verifiers environment the tests ship (a package)
 TYPECHECK = ROOT / ".typecheck"  # mypy's view of the installed layout (docstring)
-USAGE = ("usage: python3 dev.py {demo [RECIPE] [key=value ...],test [--python 3.10] [PYTEST ARGS...],typecheck [MYPY ARGS...],"
+USAGE = ("usage: python3 dev.py {demo [RECIPE] [key=value ...],test [--python 3.10] [PYTEST ARGS...],typecheck [MYPY ARGS...],docs [MKDOCS ARGS...],"
          "vllm,verifiers}")
 
 
@@ -400,6 +401,21 @@ def build_typecheck_tree() -> Path:
     return TYPECHECK
 
 
+def build_docs(args: list[str]) -> int:
+    """`docs`: the generated reference pages checked against the code (launch/reference.py: a stale
+    page fails, naming the command that rewrites it), then `mkdocs build --strict` into site/
+    (a broken link or anchor, or a page missing from mkdocs.yml's nav, fails). ARGS go to mkdocs."""
+    ensure_venv(MAIN)
+    say("checking docs/reference against the code: python -m miles_async.launch.reference --check docs/reference")
+    status = subprocess.call([str(MAIN.python), "-m", "miles_async.launch.reference", "--check",
+                              str(ROOT / "docs" / "reference")], cwd=ROOT)
+    if status:
+        return status
+    say(f"building the docs site: mkdocs build --strict {' '.join(args)}".rstrip())
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # Material's banner about a future MkDocs, not about our pages
+    return subprocess.call([str(MAIN.bin / "mkdocs"), "build", "--strict", *args], cwd=ROOT, env=env)
+
+
 def split_python_option(args: list[str]) -> tuple[str | None, list[str]]:
     """`--python X` (or `--python=X`) before the pytest arguments, and the rest."""
     if args and args[0].startswith("--python="):
@@ -412,7 +428,7 @@ def split_python_option(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test", "typecheck", "vllm", "verifiers"):
+    if not argv or argv[0] not in ("demo", "test", "typecheck", "docs", "vllm", "verifiers"):
         print(USAGE, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     verb, rest = argv[0], argv[1:]
@@ -440,6 +456,8 @@ def main(argv: list[str]) -> int:
         say(f"running mypy in {folder.relative_to(ROOT)} with pyproject.toml's [tool.mypy] {' '.join(rest)}".rstrip())
         return subprocess.call([str(MAIN.python), "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
                                 *rest], cwd=folder)
+    if verb == "docs":
+        return build_docs(rest)
     wanted, rest = split_python_option(rest)
     if wanted is None:
         venv = MAIN

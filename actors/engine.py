@@ -208,7 +208,7 @@ class EngineActor(Actor):
                  api_key: str | None = None) -> None:
         self.model_dir = model_dir
         self.config = config or EngineConfig()
-        self.dtype = self.config.dtype  # "auto" until on_start resolves it on the engine's device
+        self.dtype: str = self.config.dtype  # "auto" until on_start resolves it on the engine's device
         self.http = (http_host, http_port)
         self.api_key = api_key  # required of HTTP clients (a multi-node run's engines listen off loopback)
         self.num_threads = num_threads  # torch threads of the compute thread; 0 leaves torch's default

@@ -6,7 +6,7 @@ from any directory after `pip install`. `find_recipe(text)` takes, in order:
 
 1. a path that exists (a recipe of the user's, or `recipes/reverse.toml` in a clone);
 2. a shipped recipe, by name: `reverse`, `reverse.toml`, or `recipes/reverse.toml` (the way the
-   README writes them, so its commands work outside a clone too);
+   docs write them, so their commands work outside a clone too);
 3. else a `ValueError` naming the shipped recipes, with the closest one ("did you mean").
 
 `describe(path)` is what the listing says of a recipe: the verb that runs it (`run`, or `sft` for

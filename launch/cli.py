@@ -339,8 +339,7 @@ def _add_verb(subparsers, name: str, help_text: str, handler: Handler, **kwargs)
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Asynchronous RL post-training on an actor runtime of its own. "
-        f"Verbs whose code is not written yet say so and exit with status {NOT_IMPLEMENTED_STATUS}.",
+        description="Fully asynchronous RL post-training of language models on an actor runtime of its own.",
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)

@@ -14,7 +14,8 @@ they measure, as the field groups them (verl, slime):
 Runs written before the names were grouped used the flat names (`reward_mean`, `loss`, ...);
 `upgrade_row` renames those, so readers (`miles-async plot`) read old run folders too.
 
-Print the table: `python -m miles_async.observe.names` (markdown, for the README).
+Print the table: `python -m miles_async.observe.names` (markdown); docs/reference/metrics.md is
+generated from it (launch/reference.py).
 """
 
 from __future__ import annotations
