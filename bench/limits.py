@@ -52,8 +52,9 @@ def matmul_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     prepacked weight (kernels/onednn.py, what the engine runs; on AMD CPUs torch's fp32 `mm` goes
     to MKL's slower generic path, and the bound must stay a bound)."""
     from miles_async.kernels import onednn
+    from miles_async.kernels.precision import native_bf16
 
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if dtype == torch.bfloat16 and not native_bf16(torch.device("cpu")):
         # No native bf16 (AVX512-BF16, AMX): `mm` emulates every product (tens of seconds a 2048
         # cube), while bf16 autocast work can run on the fp32 units after conversion: the bound is
         # the faster of the two, the emulated one measured on a 512 cube (the same per-FLOP rate).

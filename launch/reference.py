@@ -139,20 +139,32 @@ def _doc_of(cls: type) -> str:
     return inspect.cleandoc(cls.__doc__) if cls.__doc__ and "Struct" not in cls.__doc__[:40] else ""
 
 
+def _table(out: list[str], fields: list[FieldDoc], where: str, derived: dict[str, str]) -> None:
+    """The key / type / default / description rows of `fields` (nothing for none)."""
+    if not fields:
+        return
+    out += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
+    for f in fields:
+        path = f"{where}{f.name}"
+        default = f"set by the run: {derived[path]}" if path in derived else _value(f.default)
+        out.append(f"| `{f.name}` | `{_cell(f.type)}` | {_cell(default)} | {_cell(f.doc)} |")
+    out.append("")
+
+
+def _plugins() -> list[str]:
+    """The plug-ins whose [task.config] the page lists: the built-in names, then SHIPPED_TASKS."""
+    from miles_async.task import BUILT_IN_TASKS
+
+    return list(BUILT_IN_TASKS) + [p for p in SHIPPED_TASKS if p not in BUILT_IN_TASKS.values()]
+
+
 def _section(out: list[str], title: str, cls: type, where: str, derived: dict[str, str]) -> None:
     """`[title]`: a table of `cls`'s plain keys, then each nested struct as a section of its own."""
     fields = struct_fields(cls)
     out += [f"## `[{title}]`", "", f"`{cls.__module__}.{cls.__qualname__}`", ""]
     if doc := _doc_of(cls):
         out += [doc, ""]
-    rows = [f for f in fields if f.struct is None]
-    if rows:
-        out += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
-        for f in rows:
-            path = f"{where}{f.name}"
-            default = f"set by the run: {derived[path]}" if path in derived else _value(f.default)
-            out.append(f"| `{f.name}` | `{_cell(f.type)}` | {_cell(default)} | {_cell(f.doc)} |")
-        out.append("")
+    _table(out, [f for f in fields if f.struct is None], where, derived)
     for f in fields:
         if f.struct is not None:
             if f.doc:
@@ -161,27 +173,23 @@ def _section(out: list[str], title: str, cls: type, where: str, derived: dict[st
 
 
 def _task_configs(out: list[str]) -> None:
-    from miles_async.task import BUILT_IN_TASKS, TaskSpec, task_class
+    from miles_async.task import TaskSpec, task_class
 
-    plugins = list(BUILT_IN_TASKS) + [p for p in SHIPPED_TASKS if p not in BUILT_IN_TASKS.values()]
     out += ["## `[task.config]`, by plug-in", "",
             "The task plug-in's own `Config` (`task.plugin`): a built-in name or `package.module:Class`.", ""]
-    for plugin in plugins:
+    for plugin in _plugins():
         config = task_class(TaskSpec(plugin=plugin)).Config
         out += [f"### `plugin = \"{plugin}\"`", "", f"`{config.__module__}.{config.__qualname__}`", ""]
         if doc := _doc_of(config):
             out += [doc, ""]
-        out += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
-        out += [f"| `{f.name}` | `{_cell(f.type)}` | {_cell(_value(f.default))} | {_cell(f.doc)} |"
-                for f in struct_fields(config)]
-        out.append("")
+        _table(out, struct_fields(config), "task.config.", {})
 
 
 def _sections() -> list[tuple[str, type]]:
     """Every (key prefix, struct) whose fields a recipe names: RL, task plug-ins, SFT."""
     from miles_async.actors.recipe import RunConfig
     from miles_async.actors.sft import SFTRecipe
-    from miles_async.task import BUILT_IN_TASKS, TaskSpec, task_class
+    from miles_async.task import TaskSpec, task_class
 
     found: list[tuple[str, type]] = []
 
@@ -193,7 +201,7 @@ def _sections() -> list[tuple[str, type]]:
 
     walk("", RunConfig)
     walk("", SFTRecipe)
-    for plugin in list(BUILT_IN_TASKS) + list(SHIPPED_TASKS):
+    for plugin in _plugins():
         found.append(("task.config.", task_class(TaskSpec(plugin=plugin)).Config))
     return found
 
