@@ -76,11 +76,13 @@ class EvalConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     model_args, the context lm-eval fills (2048 by default), must not pass the engine's max_seq_len.)
     """
 
+    # "none": no evaluation; "shared": the run's engines answer (rollouts held meanwhile); "dedicated": an
+    # engine of its own, pushed the weights (rollouts go on); "command": `command` below
     mode: Literal["none", "shared", "dedicated", "command"] = "shared"
     every: int = 20  # steps between evaluations (and after the last step); 0: never
     at_start: bool = False  # also score the starting weights (step 0, after any warm start) of a fresh run
-    num_prompts: int = 64
-    temperature: float = 0.0
+    num_prompts: int = 64  # modes "shared"/"dedicated": held-out items scored per evaluation, one sample each
+    temperature: float = 0.0  # modes "shared"/"dedicated": sampling temperature of those samples; 0: greedy
     command: str = ""  # mode "command": the shell command line, with the placeholders above
     metric: str = ""  # mode "command", lm-eval's results: "task/metric" that is the score; "": the first
     command_timeout_s: float = 3600.0  # mode "command": the command is killed (and the run fails) past it

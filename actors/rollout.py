@@ -59,10 +59,10 @@ log = logging.getLogger("miles_async.actors.rollout")
 class SamplingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The engine's sampling parameters for rollouts (SGLang's names)."""
 
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    max_new_tokens: int = 16  # tokens generated per sample at most (an agent's: per model call)
+    temperature: float = 1.0  # 0: greedy; the trainer's log-probs use the same temperature
+    top_p: float = 1.0  # nucleus sampling: keep the most likely tokens up to this probability mass; 1: all
+    top_k: int = -1  # keep the k most likely tokens; -1: the whole vocabulary
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -83,10 +83,10 @@ class EngineRestartConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     a checkpoint is saved, one line names the cause, exit status 1. An engine whose node is lost
     is not restarted here: its node's return brings fresh engines (`miles-async launch`)."""
 
-    max_restarts: int = 3
-    within_s: float = 600.0
-    backoff_s: float = 1.0
-    max_backoff_s: float = 30.0
+    max_restarts: int = 3  # restarts per engine within `within_s` at most; 0: never restart
+    within_s: float = 600.0  # the window, in seconds, that restarts count in
+    backoff_s: float = 1.0  # seconds before a restart, doubled for each recent restart of that engine
+    max_backoff_s: float = 30.0  # the longest wait before a restart, in seconds
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.within_s <= 0 or self.backoff_s < 0 or self.max_backoff_s < 0:
@@ -107,8 +107,8 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # Which engine serves the rollouts: our embedded one (the default), a real SGLang server, or vLLM
     # (engine/backend.py); the loop, the evaluator and the session server talk to each alike.
     backend: Backend = "embedded"
-    num_engines: int = 1
-    num_workers: int = 1
+    num_engines: int = 1  # rollout engines that generate the samples
+    num_workers: int = 1  # rollout workers: each sends requests to any engine and scores the samples
     # How workers reach embedded engines: "actor" (a message to the EngineActor's mailbox) or
     # "http" (SGLang's HTTP API, as for a real SGLang server). Other backends are always "http".
     client: Literal["actor", "http"] = "actor"

@@ -66,11 +66,11 @@ class SFTLoopConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     eval_every: int = 0  # steps between held-out losses (data.num_heldout examples; 0: at the end only)
     max_steps: int = 0  # > 0: this many steps, whatever `epochs` says
     batch_size: int = 32  # examples per optimizer step
-    lr: float = 1e-5
+    lr: float = 1e-5  # AdamW's learning rate (the trainer's, for every step)
     checkpoint_every: int = 0  # steps (0: off)
     checkpoint_every_s: float = 120.0  # seconds (0: off); either trigger saves one
-    keep_checkpoints: int = 3
-    seed: int = 0
+    keep_checkpoints: int = 3  # the newest this many checkpoints are kept, older ones deleted
+    seed: int = 0  # the examples' order (shuffled anew each epoch) and the trainer's seed
 
     def __post_init__(self) -> None:
         if not self.epochs > 0 or self.max_steps < 0 or self.batch_size < 1 or not self.lr > 0:

@@ -64,7 +64,7 @@ class TeacherConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     path: str = ""
     revision: str = ""  # of a Hub id: a branch, tag or commit, as model.revision
     pretrained: Literal["", "smollm2"] = ""  # a packaged model, as model.pretrained
-    backend: Backend = "embedded"
+    backend: Backend = "embedded"  # what serves the teacher: "embedded" (our engine), "sglang" or "vllm"
     engine: EngineConfig = EngineConfig()  # an embedded teacher's engine
     server: ServerConfig = ServerConfig()  # an sglang / vllm teacher's server: started by the run, or `url`
     threads: int = 1  # torch threads of the teacher's engine

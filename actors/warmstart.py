@@ -37,12 +37,14 @@ ASK_S = 600.0
 class WarmStartConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The recipe's `[sft]`."""
 
-    max_steps: int = 300  # 0 skips the warm start
-    batch_size: int = 32
-    lr: float = 1e-3
+    # At most this many SFT steps before RL; 0 (the default) skips the warm start: a pretrained model
+    # needs none, and a recipe that starts from a random-init model asks for one.
+    max_steps: int = 0
+    batch_size: int = 32  # the task's items per SFT step (rendered by task.sft_examples)
+    lr: float = 1e-3  # the warm start's learning rate (RL then uses trainer.lr)
     target_accuracy: float = 0.15  # sampled (temperature 1) accuracy on the probe set that ends it
-    probe_every: int = 10
-    num_probe: int = 64
+    probe_every: int = 10  # steps between probes (weights pushed, probe set scored), and after the last
+    num_probe: int = 64  # held-out items in the probe set, one sample each
 
     def __post_init__(self) -> None:
         if self.max_steps < 0 or self.batch_size < 1 or self.probe_every < 1 or self.num_probe < 1:

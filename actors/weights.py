@@ -107,10 +107,10 @@ class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     family: str = ""  # the model family: picks the name/layout converter (required by a pusher)
     # the engines' weights in shared memory: the fastest on one node; "auto" (a recipe's) lets the run pick
     transport: str = "shm"
-    bucket_mib: float = 64.0
+    bucket_mib: float = 64.0  # MiB of weights moved per bucket of a push
     pause_mode: str = "in_place"  # an engine pause mode, or "none" (double-buffered engines)
     verify: str = "first"  # never | first (random-fill check on the first push) | always
-    verify_seed: int = 0
+    verify_seed: int = 0  # seed of the random values verification first fills the engines' weights with
     delta_dir: str = ""  # disk, disk_delta: a folder every engine can read
     keep_deltas: int = 2  # disk, disk_delta: how many pushed versions stay on disk
     backend: str = "gloo"  # broadcast, distributed: gloo on CPU, nccl on GPU

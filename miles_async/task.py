@@ -74,6 +74,7 @@ class Task(Protocol):
 class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The recipe's `[task]` table."""
 
+    # The task: a built-in name ("reverse", "dataset", "calculator", "arithmetic") or `package.module:Class`
     plugin: str = "miles_async.tasks.reverse:ReverseTask"
     num_prompts: int = 20000  # the training set (positions cycle when the run outlasts it)
     config: dict[str, Any] = {}  # the plug-in's Config, as a table

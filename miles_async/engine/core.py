@@ -122,10 +122,10 @@ def _trim_heap() -> None:
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Sizes and limits of the embedded engine."""
 
-    block_size: int = 16
+    block_size: int = 16  # tokens per KV-cache block: the unit the cache is allocated and prefixes shared in
     kv_cache_mib: float = 512.0  # KV memory for all layers; sets the number of blocks
-    max_running_requests: int = 256
-    max_waiting_requests: int = 4096
+    max_running_requests: int = 256  # requests running (prefill or decode) at once at most; the others wait
+    max_waiting_requests: int = 4096  # requests waiting at most; one more is refused (EngineOverloadedError)
     max_prefill_tokens: int = 1024  # prompt tokens computed per step; longer prompts are chunked
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # of the generator shared by requests without a sampling_seed

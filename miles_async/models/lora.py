@@ -46,7 +46,7 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 class LoraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The trainer's `[trainer.lora]`: rank 0 trains every weight (no adapters)."""
 
-    rank: int = 0
+    rank: int = 0  # the adapters' rank; > 0 freezes the base and trains adapters on `targets` alone
     alpha: float = 16.0  # scale = alpha / rank (PEFT's lora_alpha)
     targets: tuple[str, ...] = DEFAULT_TARGETS  # the projections' attribute names
 

@@ -25,10 +25,10 @@ class ObserveConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """The recipe's `[observe]` (module docstring)."""
 
     wandb: bool = False  # log every metrics row (and the samples) to Weights & Biases
-    wandb_project: str = "miles-async"
+    wandb_project: str = "miles-async"  # the Weights & Biases project the run is logged to
     wandb_name: str = ""  # the run's display name ("": the run folder's name)
     wandb_entity: str = ""  # the team or user ("": wandb's default for the key)
-    wandb_tags: list[str] = []
+    wandb_tags: list[str] = []  # tags of the wandb run
     tensorboard: bool = False  # mirror the metrics (and the samples, as text) to RUN_DIR/tensorboard/
     log_samples: int = 0  # decoded samples per RL step to RUN_DIR/samples.jsonl and the trackers' tables
 

@@ -63,10 +63,12 @@ class BufferConfig(msgspec.Struct, frozen=True, kw_only=True):
         samples do not count, so a group with fewer than two scored ones goes too); "none" keeps all.
     """
 
-    capacity_groups: int = 64
+    capacity_groups: int = 64  # groups held at most; producers wait while it is full
     max_staleness: int = 1
-    on_stale: Literal["retry", "discard"] = "retry"
-    on_abort: Literal["retry", "discard"] = "retry"
+    on_stale: Literal["retry", "discard"] = "retry"  # a stale group's prompt: generated again, or dropped
+    on_abort: Literal["retry", "discard"] = "retry"  # an aborted group's prompt: generated again, or dropped
+    # "nonzero_std": drop groups whose scored rewards are all equal (no signal; fewer than two scored
+    # samples counts as equal); "none": keep every group
     filter: Literal["nonzero_std", "none"] = "nonzero_std"
 
     def __post_init__(self) -> None:

@@ -34,7 +34,7 @@ the oldest engine version a min over the few distinct versions.
 What admission does not promise: groups finish out of order, so a slow group can be overtaken by
 later ones and be trained later than its place in line; it may then be stale when drawn, and the
 buffer's check at `get` (the same formula) drops it (retry or discard). `admission_idle_s` in the
-metrics is the time the engines sat idle because admission refused every prompt.
+scheduler's state is the time the engines sat idle because admission refused every prompt.
 """
 
 from __future__ import annotations
@@ -59,12 +59,13 @@ class RefillConfig(msgspec.Struct, frozen=True, kw_only=True):
     has finished (see the module docstring).
     """
 
-    target_in_flight: int = 64
-    group_size: int = 8
+    target_in_flight: int = 64  # samples generating at once, over all engines
+    group_size: int = 8  # samples per prompt (a group: its rewards are compared with each other)
     batch_groups: int = 8
     max_staleness: int = 1
-    max_prompts: int | None = None
-    max_in_flight_per_engine: int | None = None
+    max_prompts: int | None = None  # prompts admitted in all (ids 0 .. max_prompts - 1); unset: endless
+    max_in_flight_per_engine: int | None = None  # samples one engine generates at once at most; unset: no cap
+    # When a finished sample's slot is refilled: "sample" at once, "group" once its whole group is done
     refill: Literal["sample", "group"] = "sample"
 
     def __post_init__(self) -> None:

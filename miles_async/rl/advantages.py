@@ -38,10 +38,11 @@ class AdvantageConfig(msgspec.Struct, frozen=True, kw_only=True):
         only (on-policy distillation with task reward zero).
     """
 
+    # "grpo": reward minus its group's mean; "reinforce": reward minus the mean of the group's others
     estimator: Literal["grpo", "reinforce"] = "grpo"
-    normalize_std: bool = True
-    std_eps: float = 1e-6
-    reward_coef: float = 1.0
+    normalize_std: bool = True  # "grpo": also divide by the group's std (unbiased) + std_eps
+    std_eps: float = 1e-6  # added to that std: a group of equal rewards gets advantage 0, not 0/0
+    reward_coef: float = 1.0  # the task reward's weight in the advantage; 0: trained on other signals only
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:

@@ -74,16 +74,22 @@ class PolicyLossConfig(msgspec.Struct, frozen=True, kw_only=True):
     aggregation: "token", "sequence" or "seq-mean-token-sum" (see the module docstring).
     """
 
-    eps_clip_low: float = 0.2
-    eps_clip_high: float = 0.2
-    dual_clip_c: float | None = 3.0
-    tis_cap: float | None = 2.0
+    eps_clip_low: float = 0.2  # PPO: the ratio is clipped below at 1 - eps_clip_low, in [0, 1)
+    eps_clip_high: float = 0.2  # PPO: and above at 1 + eps_clip_high (DAPO's clip-higher: above low)
+    dual_clip_c: float | None = 3.0  # negative advantages: the loss is bounded by c * |A|, c > 1; unset: off
+    tis_cap: float | None = 2.0  # cap on the TIS weight exp(old_logp - rollout_logp); unset: no TIS
+    # MIS: (low, high) with 0 <= low < 1 < high; a token whose exp(old_logp - rollout_logp) falls
+    # outside is dropped from the loss; unset: off
     mis_band: tuple[float, float] | None = None
-    kl_coef: float = 0.0
-    kl_estimator: KLEstimator = "k3"
-    entropy_coef: float = 0.0
-    distill_coef: float = 0.0
+    kl_coef: float = 0.0  # weight of KL(policy || reference) in the loss; 0: off
+    kl_estimator: KLEstimator = "k3"  # Schulman's estimator of that KL: "k1", "k2" or "k3"
+    entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss); 0: off
+    distill_coef: float = 0.0  # weight of on-policy distillation's teacher signal ([teacher]); 0: off
+    # How that signal enters: "advantage" (each token's advantage loses distill_coef x (student -
+    # teacher log-prob)) or "kl" (distill_coef x the k2 reverse KL to the teacher added to the loss)
     distill_mode: DistillMode = "advantage"
+    # How token terms make the loss: "token" (mean over tokens), "sequence" (mean of each sequence's
+    # mean), "seq-mean-token-sum" (mean of each sequence's sum)
     aggregation: Aggregation = "token"
 
     def __post_init__(self) -> None:

@@ -46,12 +46,12 @@ _RESULT = re.compile(r"=\s*(-?\d[\d,]*)")
 class ArithmeticTaskConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Operand range, the question's wording and how the held-out problems are chosen."""
 
-    min_value: int = 10
-    max_value: int = 99
+    min_value: int = 10  # smallest operand (inclusive)
+    max_value: int = 99  # largest operand (inclusive)
     # The user's message; {a} and {b} are the operands.
     question: str = "Add {a} and {b}. Write the equation."
     system: str = ""  # a system message; "" leaves the chat template's default (SmolLM2 has one)
-    seed: int = 0
+    seed: int = 0  # which pairs are held out, and the order of each split's pairs
     probe_every: int = 8  # about 1 pair in `probe_every` is held out
 
     def __post_init__(self) -> None:

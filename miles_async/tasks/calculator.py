@@ -40,10 +40,10 @@ TOOLS: list[dict[str, Any]] = [{
 
 
 class CalculatorTaskConfig(msgspec.Struct, frozen=True, kw_only=True):
-    min_value: int = 2
-    max_value: int = 999
-    seed: int = 0
-    max_turns: int = 3
+    min_value: int = 2  # smallest factor (inclusive)
+    max_value: int = 999  # largest factor (inclusive)
+    seed: int = 0  # the problems drawn (each split its own draw)
+    max_turns: int = 3  # model turns per episode at most (tool calls and the answer)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_value <= self.max_value:

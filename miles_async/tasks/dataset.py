@@ -101,14 +101,14 @@ class DatasetTaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # dataset or DatasetDict; the fraction of `path`'s rows a stable hash of the prompt picks
     # (none of the three: 5%).
     eval_path: str = ""
-    eval_split: str = ""
-    eval_fraction: float | None = None
+    eval_split: str = ""  # the held-out rows: this split of the Hub dataset or DatasetDict; "": none
+    eval_fraction: float | None = None  # or this share of `path`'s rows, in (0, 1); unset: 0.05 (no eval_*)
     reward: str = "math"  # "math" | "exact" | "regex:PATTERN" | "package.module:function" (tasks/rewards.py)
     # A score that takes longer is 0 (and logged): math-verify's own timeout, signal-based, cannot
     # run in the worker thread that grades (tasks/rewards.py).
     reward_timeout_s: float = 10.0
     shuffle: bool = True  # shuffle each split (by seed); false keeps the file's order
-    seed: int = 0
+    seed: int = 0  # of that shuffle and of the hash that picks the eval_fraction rows
 
     def __post_init__(self) -> None:
         if not self.path:

@@ -64,14 +64,14 @@ class ReverseTaskConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Which words the task draws and how the probe set is held out."""
 
     alphabet: str = "fgjkmpqv"  # distinct lowercase letters, none merged by init_model's BPE
-    min_len: int = 4
-    max_len: int = 6
-    seed: int = 0
+    min_len: int = 4  # shortest word, in letters
+    max_len: int = 6  # longest word, in letters
+    seed: int = 0  # which words are held out, and the words each split draws
     probe_every: int = 16  # about 1 word in `probe_every` belongs to the probe split
     # How word lengths are drawn: "uniform" over min_len..max_len, or "zipf": P(len) proportional
     # to (len - min_len + 1) ** -zipf_a, mostly short with a long tail (as real rollouts' lengths are).
     lengths: Literal["uniform", "zipf"] = "uniform"
-    zipf_a: float = 1.5
+    zipf_a: float = 1.5  # lengths "zipf": the exponent, > 0 (larger: shorter words)
 
     def __post_init__(self) -> None:
         letters = self.alphabet

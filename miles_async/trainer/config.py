@@ -36,12 +36,12 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     model_dir: str = ""  # set by the run (a recipe's model.path or the model it makes)
     world_size: int = 1  # trainer ranks, one process each (TrainerGroup.spawn)
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    micro_batch_tokens: int = 4096
+    lr: float = 1e-5  # AdamW's learning rate, the same every step
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW's decay rates of the gradients' two moments
+    eps: float = 1e-8  # AdamW's epsilon, added to the second moment's root
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay; 0: none
+    grad_clip: float = 1.0  # the gradients' total L2 norm is clipped to this each step (clip_grad_norm_)
+    micro_batch_tokens: int = 4096  # packed tokens of one forward/backward at most
     dtype: str = "float32"  # of the weights and the optimizer state (the master copy)
     # The matmuls' dtype: "bfloat16" runs the model's forward and backward under torch.autocast
     # (mixed precision: fp32 master weights, AdamW state and gradients; bf16 matmuls, 4x the fp32
@@ -49,7 +49,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # "bfloat16" where the rank's device computes bf16 natively (kernels/precision.py), the weights
     # are float32 and batch_invariant is off; else "float32" (emulated bf16 is slower than fp32).
     compute_dtype: str = "float32"
-    backend: str = "auto"
+    backend: str = "auto"  # torch.distributed's: "gloo", "nccl" or "auto" (NCCL with CUDA, else gloo)
     num_threads: int = 0  # torch intra-op threads per rank; 0 leaves torch's default
     seed: int = 0
     checkpoint_dir: str = ""  # "" means no checkpoints; otherwise the folder of step_<N> checkpoints
@@ -60,12 +60,13 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # on a node that does not share the run folder (checkpoints and weight exports need it shared).
     shared_file: str = ""
     shared_token: str = ""
-    weight_bucket_bytes: int = 64 << 20
+    weight_bucket_bytes: int = 64 << 20  # bytes of one safetensors bucket of exported weights (about)
+    # seconds to join the process group and for each collective before a rank fails
     process_group_timeout_s: float = 120.0
     objective: Literal["rl", "sft"] = "rl"
     policy_loss: PolicyLossConfig = PolicyLossConfig()
     advantage: AdvantageConfig = AdvantageConfig()
-    old_logprobs: Literal["trainer", "rollout"] = "trainer"
+    old_logprobs: Literal["trainer", "rollout"] = "trainer"  # the PPO anchor: the trainer's or the engine's
     temperature: float = 1.0
     logprob_chunk_tokens: int = 512  # rows of [tokens, vocab] logits alive at once (kernels.logprobs)
     # True on-policy mode: batch-invariant kernels, so the trainer's log-probs equal those of an
@@ -109,8 +110,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # pushed with the policy's weights; "frozen": trained during an SFT warm start only, then pushed
     # unchanged (a fixed draft, to compare with). The loss is weighted by draft_coef.
     draft: Literal["none", "frozen", "online"] = "none"
-    draft_coef: float = 1.0
-    draft_feature_coef: float = 0.1
+    draft_coef: float = 1.0  # weight of the draft head's loss in the step's loss
+    draft_feature_coef: float = 0.1  # weight of the smooth-L1 hidden-state term within the draft head's loss
     draft_lr: float = 0.0  # the draft head's learning rate (SFT and RL); 0: the step's own (lr, or sft.lr)
 
     def __post_init__(self) -> None:

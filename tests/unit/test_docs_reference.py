@@ -74,6 +74,13 @@ def test_a_changed_default_or_comment_changes_the_page_and_check_names_the_stale
     assert reference.main([str(tmp_path)]) == 0 and reference.main(["--check", str(tmp_path)]) == 0
 
 
+def test_every_recipe_key_has_a_description() -> None:
+    """Each key of the recipe page takes its description from the comment on its field; none is bare."""
+    missing = reference.undocumented()
+    assert missing == [], (f"{len(missing)} recipe key(s) without a description (add a `# ...` comment above "
+                           f"or beside the field): {', '.join(missing)}")
+
+
 def test_the_cli_page_has_every_verb_and_flag_of_the_parser() -> None:
     import argparse
 
