@@ -10,7 +10,7 @@
     python3 dev.py vllm                  # .venv-vllm: vLLM's CPU build, for tests/e2e/test_vllm.py
     python3 dev.py verifiers             # .venv-verifiers: Verifiers 0.4, for tests/e2e/test_verifiers.py
 
-Each creates `.venv` if it is missing and installs the project into it, editable (DESIGN.md,
+Each creates `.venv` if it is missing and installs the project into it, editable (docs/design.md,
 "Layout": a non-editable install is shadowed by the source folder when run from here), with what
 the verb needs and no more: `demo` the core dependencies alone (`pip install -e .`; a recipe with
 `pretrained = "smollm2"` adds SMOLLM2 and SMOLLM2_CONVERT, what converting its GGUF takes), `test`

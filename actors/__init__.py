@@ -1,7 +1,7 @@
 """The RL roles as actors (installed as `miles_async.actors`).
 
 This folder holds the rollout worker, the refill scheduler, the buffer, the trainer rank, the
-weight pusher, the evaluator, the router and the controller that wires them together (DESIGN.md,
+weight pusher, the evaluator, the router and the controller that wires them together (docs/design.md,
 "The RL loop"). Written so far: the loop's actors, `scheduler.RefillScheduler` (sample-level
 or group-level refill with admission control), `rollout.RolloutWorker` (generate and score one sample),
 `buffer.Buffer` (bounded, filters and staleness), `trainer.TrainerRank` / `trainer.TrainerGroup`

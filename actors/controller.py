@@ -11,7 +11,7 @@
 
 Who consumes, produces and waits for what:
 - `RefillScheduler` consumes the task's items and the events on its left; produces rollout
-  requests; waits for free slots and for admission (`policies.staleness`: at most `loop.staleness`
+  requests; waits for free slots and for admission (`policies.staleness`: at most `loop.max_staleness`
   versions ahead).
 - `RolloutWorker`s consume requests; produce scored `Trajectory` records, their token arrays put
   into the data plane of the worker's process (this one); wait for their engine.

@@ -12,6 +12,6 @@
   `dequantize`, `fake_quant` for quantization-aware training), the CPU reference of each format.
 - `precision`: what dtype "auto" is on a device (bfloat16 where it is native, else float32).
 
-Still to come: routing capture/replay. It is a leaf: it imports torch (and Triton lazily) and nothing of ours (DESIGN.md,
-"Who may import whom"); `cpu_kernels` also runs the system's C++ compiler once.
+It is a leaf: it imports torch (and Triton lazily) and nothing of ours (docs/design.md, "Who may
+import whom"); `cpu_kernels` also runs the system's C++ compiler once.
 """

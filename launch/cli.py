@@ -1,4 +1,4 @@
-"""The `miles-async` command line (DESIGN.md, "Launch and the command line").
+"""The `miles-async` command line (docs/design.md, "Launch and the command line").
 
 It parses a verb and its arguments and hands off to the library, which it imports only when the
 verb runs, so that `--help` stays fast and pulls in neither torch nor ZeroMQ. A verb whose code is

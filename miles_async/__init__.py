@@ -2,7 +2,7 @@
 
 Rollout engines generate trajectories, trainer ranks update the policy and new weights flow back
 to the engines, all three stages running at once; the actors that do this talk through ZeroMQ
-mailboxes carrying msgspec messages under asyncio, with no Ray. See DESIGN.md for the map and
+mailboxes carrying msgspec messages under asyncio, with no Ray. See docs/design.md for the map and
 README.md for the quick start (`python3 dev.py demo`, `python3 dev.py test`).
 
 This module stays light on purpose: importing `miles_async` must not import torch or ZeroMQ, so

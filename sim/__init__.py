@@ -16,7 +16,7 @@ staleness, group-level refill, a bigger buffer. An answer takes seconds instead 
     cli.py       `miles-async sim TRACE.jsonl [--set k=v] [--sweep k=v1,v2] [--json]`
 
 It never imports an engine, a transport, an actor or ZeroMQ (the policies are pure); the import
-rules in DESIGN.md hold it to that.
+rules in docs/design.md hold it to that.
 """
 
 from miles_async.sim.costs import CostModel, GenCost, TeacherCost, TrainCost, UpdateCost, fit_costs

@@ -1,7 +1,7 @@
 """Bulk-tensor data planes for weight updates (installed as `miles_async.transport`).
 
 The transports move converted weights, in buckets, from the trainer into the engines
-(DESIGN.md, "Weight transports"); `actors.weights.WeightPusher` drives them and
+(docs/design.md, "Weight transports"); `actors.weights.WeightPusher` drives them and
 `engine.weights.WeightStore` is the receiving end (versions, double buffer, torn state).
 Pure torch + stdlib, never an actor:
 

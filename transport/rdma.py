@@ -19,7 +19,7 @@ around them are thin and run only where a device is.
 
 Install: `pip install 'miles-async[rdma]'`. pyverbs (rdma-core's Python bindings) needs the
 libibverbs and libnl development headers to build (Debian/Ubuntu: `apt install libibverbs-dev
-libnl-3-dev libnl-route-3-dev`; DESIGN.md, "Weight transports", notes the Cython pitfalls), and an
+libnl-3-dev libnl-route-3-dev`; docs/design.md, "Weight transports", notes the Cython pitfalls), and an
 RDMA device. Without RDMA hardware, soft-RoCE over any Ethernet interface works (the `rdma_rxe`
 kernel module and iproute2's `rdma` tool):
 

@@ -1,6 +1,6 @@
 """Per-tensor checksums and the random-fill check that catches a transport skipping a tensor.
 
-The check (DESIGN.md, "Weight transports"): overwrite the engine's weights with `random_fill`,
+The check (docs/design.md, "Weight transports"): overwrite the engine's weights with `random_fill`,
 run the update, then `compare(checksums(trainer_side), checksums(engine_side))` must be empty.
 A checksum is exact: blake2b of the raw bytes plus dtype and shape, so a bf16 value that differs
 in one bit, a transposed layout or a dtype change all count as differences.

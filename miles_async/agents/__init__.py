@@ -1,4 +1,4 @@
-"""Multi-turn agents (DESIGN.md, "Models and numerics": TITO).
+"""Multi-turn agents (docs/design.md, "Models and numerics": TITO).
 
 - `api`: the three plug-in layers, each a Protocol: `Agent` (`async def agent(ctx)`), `Environment`
   (tools and verifier) and `RolloutFn` (drives a group's episodes); `run_episode`, `rollout_group`.

@@ -6,7 +6,7 @@
     # the trainer, once the episode is over:
     GET http://127.0.0.1:8000/sessions/ep-17/samples
 
-Why (DESIGN.md, "TITO", token in, token out): an agent talks in messages, but the trainer must
+Why (docs/design.md, "TITO", token in, token out): an agent talks in messages, but the trainer must
 score exactly the tokens the engine sampled. Re-tokenizing a conversation's text is not enough:
 the ids a model sampled need not be the ids the tokenizer gives their decoded text (BPE merges
 differently, bytes split across tokens, special tokens dropped from the text). So this server

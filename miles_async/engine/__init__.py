@@ -1,4 +1,4 @@
-"""The embedded rollout engine, its SGLang-compatible HTTP API, and clients of external engines (DESIGN.md, "Engines").
+"""The embedded rollout engine, its SGLang-compatible HTTP API, and clients of external engines (docs/design.md, "Engines").
 
 - `Engine` (core.py): continuous batching over a paged KV cache with a radix prefix cache,
   sampling with per-token log-probs, abort, pause/continue, weight updates, routed

@@ -1,6 +1,6 @@
 """`init_model`: write a randomly initialised model and its tokenizer as a Hugging Face folder.
 
-Every command must work on a laptop with nothing downloaded (DESIGN.md, "Defaults that must
+Every command must work on a laptop with nothing downloaded (docs/design.md, "Defaults that must
 hold"), so recipes and tests start from a model made here: config.json, model.safetensors,
 tokenizer.json, tokenizer_config.json (with a chat template) and generation_config.json, a
 folder that our loader, transformers' AutoModelForCausalLM/AutoTokenizer and SGLang all read.

@@ -65,7 +65,7 @@ METRICS: tuple[Metric, ...] = (
     _m("train/logprob_abs_diff", "mean |trainer log-prob - engine log-prob| over the trained tokens"),
     _m("train/tis_truncated_fraction", "trained tokens whose TIS weight hit the cap"),
     _m("train/mis_masked_fraction", "trained tokens MIS dropped"),
-    _m("train/teacher_kl", "distillation: rollout log-prob - teacher log-prob over the trained tokens"),
+    _m("train/teacher_kl", "distillation: trainer (student) log-prob - teacher log-prob over the trained tokens"),
     _m("train/draft_ce", "the draft head's cross-entropy in this step's training (0 when not trained)"),
     _m("train/batch_reward_mean", "mean reward of the trained batch's scored samples"),
     _m("train/staleness_mean", "weight versions the trained batch lagged behind the trainer, mean"),

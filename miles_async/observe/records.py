@@ -70,7 +70,7 @@ kind = "weight_update" (`UpdateTrace`): one broadcast of new weights to the engi
     version    int    the weight version pushed
     start_s    s      when the push began
     end_s      s      when every engine acknowledged the new version
-    transport  str    how the weights travelled ("colocated", "broadcast", "shm", "disk_delta", "rdma")
+    transport  str    how the weights travelled (actors.weights.TRANSPORTS: "shm", "stream", "disk", ...)
     num_bytes  bytes  bytes sent (per engine, the tensor payload)
     paused_s   s      how long generation was paused for the update (0.0 if it was not)
     target     str    whose engines: "rollout", or "eval" (the dedicated eval engine's own pushes)

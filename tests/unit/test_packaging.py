@@ -1,4 +1,4 @@
-"""Packaging: every folder is installed under `miles_async.` and nowhere else (DESIGN.md, "Layout"),
+"""Packaging: every folder is installed under `miles_async.` and nowhere else (docs/design.md, "Layout"),
 importing the package stays light, the wheel carries the recipes, their data and the license, and
 (slow) the wheel installed with its core dependencies alone into a clean virtualenv runs the main
 job from an empty directory."""
@@ -43,12 +43,13 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
     )
 
 
-def test_the_readme_lists_exactly_the_optional_extras() -> None:
-    # README's "Optional extras" table once promised extras (megatron, te) that no code used.
+def test_the_extras_page_lists_exactly_the_optional_extras() -> None:
+    # A hand-written extras table once promised extras (megatron, te) that no code used.
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    section = (ROOT / "README.md").read_text().split("## Optional extras", 1)[1].split("\n## ", 1)[0]
+    page = ROOT / "docs" / "guides" / "extras.md"
+    section = page.read_text().split("## Optional extras", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `([\w-]+)` \| (`[^|]+`) \|", section, flags=re.MULTILINE)
-    assert rows, "README.md: no table rows under '## Optional extras'"
+    assert rows, f"{page}: no table rows under '## Optional extras'"
     assert {name: re.findall(r"`([^`]+)`", installs) for name, installs in rows} == {
         name: packages for name, packages in extras.items() if name != "dev"
     }

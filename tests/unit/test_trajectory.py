@@ -71,7 +71,7 @@ def test_a_trajectory_carries_its_arrays_inline_or_by_reference_on_every_wire() 
 
 def test_the_policies_and_the_simulator_pull_in_no_sockets_or_torch() -> None:
     """The pure policies (and the simulator that drives them) use the trajectory record without
-    importing ZeroMQ, torch or the actor runtime's system: DESIGN.md, who may import whom."""
+    importing ZeroMQ, torch or the actor runtime's system: docs/design.md, who may import whom."""
     code = ("import sys, miles_async.policies, miles_async.sim, miles_async.trajectory\n"
             "print(sorted({'zmq', 'torch', 'miles_async.runtime.system'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
