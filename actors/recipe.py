@@ -275,6 +275,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         if backend == "embedded" and transport == "broadcast" and self.weights.backend == "nccl" and device == "cpu":
             raise ValueError('weights.backend = "nccl" moves GPU memory only, but rollout.engine.device = "cpu": set '
                              'it to "cuda" (or "auto"), or use weights.backend = "gloo"')
+        if backend == "embedded":  # the engine config the run will make, checked now rather than at engine start
+            msgspec.structs.replace(self.rollout.engine, lora=self.trainer.lora)
         speculating = self.rollout.engine.speculative_tokens > 0
         if speculating and backend != "embedded":
             raise ValueError(f"rollout.engine.speculative_tokens is our embedded engine's speculative decoding; "

@@ -39,8 +39,9 @@ Targets (the issue's), in `meets_targets`: async >= 1.5x sync, async >= 2x TRL's
 `--model smollm2` measures the same on the real model instead: SmolLM2-135M-Instruct on
 recipes/smollm2-math.toml (two-digit addition in the chat template), with no warm start (both
 sides train the pretrained model as it is), the recipe's sizes (4 prompts x 8 samples, outputs up
-to 32 tokens) over 12 steps, the recipe's precision on both sides (our bf16 engine and bf16-autocast
-trainer; TRL with bf16=True) and the task's own reward in TRL; the prompts reach TRL as text
+to 32 tokens) over 12 steps, the recipe's precision on both sides ("auto" as the run resolves it
+on the CPU: bf16 engine and bf16-autocast trainer where bf16 is native, fp32 elsewhere; TRL with
+bf16=True exactly when our trainer runs bf16) and the task's own reward in TRL; the prompts reach TRL as text
 rendered with the chat template, which it tokenizes back into our prompt ids
 (`prompt_ids_match_ours`).
 Prints one JSON object on stdout; progress goes to stderr.
@@ -73,6 +74,7 @@ import torch
 import miles_async
 from miles_async.bench._stats import percentile
 from miles_async.bench.loop_peers import trl_grpo
+from miles_async.kernels.precision import auto_dtype
 
 DEFAULT_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "reverse.toml"
 SMOLLM2_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-math.toml"
@@ -349,7 +351,9 @@ def measure(settings: dict, *, recipe: Path, keep: str = "", skip_trl: bool = Fa
     pretrained = settings["model"] == "smollm2"
     settings = {**settings, "temperature": base.rollout.sampling.temperature, "lr": base.trainer.lr,
                 "reward": "arithmetic" if pretrained else "reverse",
-                "bf16": base.trainer.compute_dtype == "bfloat16", "engine_dtype": base.rollout.engine.dtype,
+                # "auto" resolved as the run resolves it on this CPU, so TRL gets the precision ours runs in
+                "bf16": base.trainer.on_device(torch.device("cpu")).compute_dtype == "bfloat16",
+                "engine_dtype": auto_dtype(base.rollout.engine.dtype, torch.device("cpu")),
                 "seed": base.loop.seed, "max_staleness_async": base.loop.max_staleness,
                 "engine_threads": base.rollout.engine_threads, "trainer_threads": base.trainer.num_threads,
                 "num_engines": base.rollout.num_engines, "trainer_world_size": base.trainer.world_size,

@@ -39,7 +39,7 @@ Example = tuple[list[int], list[int]]  # (token ids, loss mask)
 class SFTDataConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A recipe's `[data]`: the file and how to read it."""
 
-    path: str = ""  # the JSONL file (relative paths from the working directory)
+    path: str = ""  # the JSONL file; a relative path: beside the recipe if there, else from the cwd
     chat_template: bool = True  # render through the model's chat template (pairs may opt out)
     max_tokens: int = 4096  # longer examples are left out (and counted)
     num_heldout: int = 0  # examples set aside (the file's last ones) for a held-out loss

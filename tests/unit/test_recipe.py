@@ -150,6 +150,14 @@ def test_the_lora_recipe_loads_and_the_engines_get_the_trainers_adapters():
         load_recipe(RECIPE, ["rollout.engine.lora.rank=4"])
 
 
+def test_a_quantized_engine_with_lora_is_refused_when_the_recipe_loads():
+    # The engine refuses the pair; the recipe must say so before a process starts (it once got as far
+    # as the engines' start, a traceback and exit status 1).
+    with pytest.raises(ValueError, match="weight_format = 'int4' with LoRA is not supported"):
+        load_recipe(RECIPE, ["rollout.engine.weight_format=int4", "trainer.lora.rank=8"])
+    assert load_recipe(RECIPE, ["rollout.engine.weight_format=int4"]).rollout.engine.weight_format == "int4"
+
+
 def test_the_calculator_recipe_loads_as_a_multi_turn_task():
     config = load_recipe(RECIPE.with_name("calculator.toml"))
     assert config.task.plugin.endswith(":CalculatorTask") and config.agent.agent
