@@ -1,4 +1,5 @@
-"""The README's runtime example runs as written (it spawns a child process, so it runs as a script)."""
+"""The runtime example of docs/concepts/runtime.md runs as written (it spawns a child process, so it runs as
+a script)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_readme_runtime_example_runs(tmp_path):
-    text = (ROOT / "README.md").read_text()
+def test_runtime_page_example_runs(tmp_path):
+    text = (ROOT / "docs" / "concepts" / "runtime.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
     example = next(b for b in blocks if "ActorSystem" in b)
     script = tmp_path / "example.py"
