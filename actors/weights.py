@@ -105,7 +105,10 @@ class WeightSyncConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     `pause_mode` and `delta_dir` itself)."""
 
     family: str = ""  # the model family: picks the name/layout converter (required by a pusher)
-    # the engines' weights in shared memory: the fastest on one node; "auto" (a recipe's) lets the run pick
+    # How the bytes move (module docstring): "shm" (the engines' weights in shared memory, the fastest on
+    # one node), "broadcast", "stream", "disk", "disk_delta", "rdma", "distributed", "colocated"; or
+    # "auto", a recipe's default: the run picks "shm" for embedded engines on its node with their weights
+    # in host memory, "stream" for engines elsewhere or on a GPU, "disk" for vLLM and SGLang servers.
     transport: str = "shm"
     bucket_mib: float = 64.0  # MiB of weights moved per bucket of a push
     pause_mode: str = "in_place"  # an engine pause mode, or "none" (double-buffered engines)

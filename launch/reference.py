@@ -94,14 +94,18 @@ def _annotations(cls: type) -> dict[str, str]:
     return found
 
 
-def struct_fields(cls: type) -> list[FieldDoc]:
-    """Each field of the msgspec Struct `cls`, in order, with its annotation, default and comments."""
+def struct_fields(cls: type, defaults: Any = None) -> list[FieldDoc]:
+    """Each field of the msgspec Struct `cls`, in order, with its annotation, default and comments.
+    `defaults`, an instance of `cls` (the default a parent struct gives its field), overrides the
+    class's own defaults: a recipe's `[weights]` is the parent's `WeightSyncConfig(transport="auto")`."""
     docs: list[FieldDoc] = []
     annotations = _annotations(cls)
     for field in msgspec.structs.fields(cls):
         default = field.default
         if default is msgspec.NODEFAULT and field.default_factory is not msgspec.NODEFAULT:
             default = field.default_factory()
+        if defaults is not None:
+            default = getattr(defaults, field.name)
         above, beside = {}, {}
         for klass in cls.__mro__:  # the class that declares the field holds its comments
             if field.name in vars(klass).get("__annotations__", {}):
@@ -158,9 +162,11 @@ def _plugins() -> list[str]:
     return list(BUILT_IN_TASKS) + [p for p in SHIPPED_TASKS if p not in BUILT_IN_TASKS.values()]
 
 
-def _section(out: list[str], title: str, cls: type, where: str, derived: dict[str, str]) -> None:
-    """`[title]`: a table of `cls`'s plain keys, then each nested struct as a section of its own."""
-    fields = struct_fields(cls)
+def _section(out: list[str], title: str, cls: type, where: str, derived: dict[str, str],
+             defaults: Any = None) -> None:
+    """`[title]`: a table of `cls`'s plain keys, then each nested struct as a section of its own;
+    `defaults`, the instance the parent's field defaults to (struct_fields)."""
+    fields = struct_fields(cls, defaults)
     out += [f"## `[{title}]`", "", f"`{cls.__module__}.{cls.__qualname__}`", ""]
     if doc := _doc_of(cls):
         out += [doc, ""]
@@ -169,7 +175,7 @@ def _section(out: list[str], title: str, cls: type, where: str, derived: dict[st
         if f.struct is not None:
             if f.doc:
                 out += [f"`{where}{f.name}`: {f.doc}", ""]
-            _section(out, f"{where}{f.name}", f.struct, f"{where}{f.name}.", derived)
+            _section(out, f"{where}{f.name}", f.struct, f"{where}{f.name}.", derived, f.default)
 
 
 def _task_configs(out: list[str]) -> None:
@@ -231,7 +237,7 @@ def recipe_page() -> str:
     top = struct_fields(RunConfig)
     for f in top:
         assert f.struct is not None, f"RunConfig.{f.name} is not a section"
-        _section(out, f.name, f.struct, f"{f.name}.", DERIVED)
+        _section(out, f.name, f.struct, f"{f.name}.", DERIVED, f.default)
         if f.name == "task":
             _task_configs(out)
     out += ["# SFT recipes (`miles-async sft`)", "",
@@ -240,7 +246,7 @@ def recipe_page() -> str:
     for f in struct_fields(SFTRecipe):
         if f.name in ("data", "loop"):
             assert f.struct is not None
-            _section(out, f.name, f.struct, f"{f.name}.", SFT_DERIVED)
+            _section(out, f.name, f.struct, f"{f.name}.", SFT_DERIVED, f.default)
     return "\n".join(out).rstrip() + "\n"
 
 

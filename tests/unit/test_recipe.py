@@ -103,7 +103,7 @@ def test_every_default_is_the_components_own():
 
     config = load_recipe(None)
     assert config.trainer == TrainerConfig() and config.scheduler == RefillConfig()
-    assert config.buffer == BufferConfig() and config.weights == WeightSyncConfig()
+    assert config.buffer == BufferConfig() and config.weights == WeightSyncConfig(transport="auto")
     assert config.rollout.engine == EngineConfig()
 
 
