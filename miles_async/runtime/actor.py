@@ -28,7 +28,7 @@ import inspect
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar, Union
 
 import msgspec
 
@@ -36,14 +36,62 @@ from miles_async.runtime.errors import Failure
 from miles_async.runtime.messages import Message
 
 if TYPE_CHECKING:
+    import asyncio
+
+    from miles_async.runtime.config import RuntimeConfig
+    from miles_async.runtime.dataplane import DataPlane
+    from miles_async.runtime.messages import ActorAddress
     from miles_async.runtime.refs import ActorRef
+    from miles_async.runtime.security import CurveKeys
     from miles_async.runtime.supervision import RestartPolicy
-    from miles_async.runtime.system import ActorSystem
 
 F = TypeVar("F", bound=Callable[..., Any])
 A = TypeVar("A", bound="Actor")
 
 _MARK = "__miles_handler__"
+
+
+class ActorHost(Protocol):
+    """What an actor sees of the system that hosts it (`self.system`): the public API of
+    `ActorSystem`, its one implementation, less the lifecycle, which belongs to whoever made it.
+    Typed as this seam rather than the class so that the actor module stays below the system."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def run_dir(self) -> str: ...
+
+    @property
+    def config(self) -> RuntimeConfig: ...
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def dataplane(self) -> DataPlane: ...
+
+    @property
+    def curve_keys(self) -> CurveKeys | None: ...
+
+    @property
+    def directory(self) -> ActorRef: ...
+
+    def ref(self, entry: ActorAddress) -> ActorRef: ...
+
+    async def lookup(self, name: str, *, timeout_s: float | None = None) -> ActorRef: ...
+
+    async def spawn(self, cls: type[Actor], name: str, *, args: tuple[Any, ...] = (),
+                    kwargs: dict[str, Any] | None = None, process: bool = False,
+                    restart: RestartPolicy | None = None, owner: str | None = None,
+                    env: dict[str, str] | None = None) -> ActorRef: ...
+
+    def watch(self, target: ActorRef) -> asyncio.Future[Failure]: ...
+
+    async def stop(self, target: ActorRef | str, *, timeout_s: float | None = None) -> None: ...
 
 
 def handler(fn: F | None = None, *, concurrent: bool = False) -> Any:
@@ -119,7 +167,7 @@ class Actor:
     _miles_table: ClassVar[_Table]
 
     name: str
-    system: ActorSystem
+    system: ActorHost
     ref: ActorRef
 
     async def on_start(self) -> None:

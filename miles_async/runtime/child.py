@@ -3,31 +3,30 @@
 The owner's system starts it with multiprocessing's `spawn` method (a fresh interpreter, never
 a fork of a process that already has threads and sockets). The child names its process for its
 actor (`miles-async: engine-0` in `ps`, `miles:engine-0` in `top`: proctitle.py), joins its
-owner's run (the name prefix of its shared-memory segments: segments.py), binds its own ROUTER,
-constructs the actor, runs `on_start`, registers the name with the run's directory and reports
-`ChildReady` to the owner; a failure at any step is reported as `ChildDied` and the process exits
-with status 1. It exits when told to shut down, when its actor is stopped, or when its parent
-process is gone.
+owner's run (the name prefix of its shared-memory segments: segments.py), sets its environment,
+and then runs the spec's `serve` (`system.serve_child`): it binds its own ROUTER, constructs the
+actor, runs `on_start`, registers the name with the run's directory and reports `ChildReady` to
+the owner; a failure at any step is reported as `ChildDied` and the process exits with status 1.
+It exits when told to shut down, when its actor is stopped, or when its parent process is gone.
+
+The spec names `serve` rather than this module importing the system: the supervisor (owner.py),
+below the system, builds the spec, and the system sits on top of the runtime's modules.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import pickle
 import signal
 import sys
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from miles_async.runtime import proctitle, segments
 from miles_async.runtime.config import RuntimeConfig
-from miles_async.runtime.errors import ActorError, Failure, SpawnError
 from miles_async.runtime.loop import run
-from miles_async.runtime.messages import ActorAddress, ChildDied, ChildReady
-
-log = logging.getLogger("miles_async.runtime")
 
 
 @dataclass(frozen=True)
@@ -44,6 +43,7 @@ class ChildSpec:
     key_dir: str | None
     sys_path: list[str]
     log_level: int
+    serve: Callable[[ChildSpec], Coroutine[Any, Any, int]]  # the process's life; its exit status
     env: dict[str, str] | None = None  # e.g. CUDA_VISIBLE_DEVICES: set before the actor exists
     run_tag: str = ""  # the owner's run (segments.py); "" only for a spec built outside a run
 
@@ -63,33 +63,5 @@ def main(name: str, spec_bytes: bytes) -> None:
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s")
     # Ctrl-C reaches the whole process group; the owner decides when children stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sys.exit(run(_serve(spec)))
+    sys.exit(run(spec.serve(spec)))
 
-
-async def _serve(spec: ChildSpec) -> int:
-    from miles_async.runtime.system import SYSTEM_ACTOR, ActorSystem
-
-    system = ActorSystem(spec.name, config=spec.config, directory=spec.directory, bind=spec.bind, key_dir=spec.key_dir)
-    await system.start()
-    system.watch_parent = True
-    gc.freeze()  # this process lives on: keep its start-up objects out of every later collection
-    owner = system.ref(ActorAddress(name=SYSTEM_ACTOR, address=spec.owner_address, capacity=1 << 16))
-    h = system._host(spec.name, spec.cls, spec.args, spec.kwargs, spec.owner, spec.owner_address)
-    h.main = True
-    try:
-        await system._start_hosted(h)
-        entry = ActorAddress(name=spec.name, address=system.address, capacity=h.capacity)
-        await system._register(entry)
-        await owner.ask(ChildReady(name=spec.name, address=system.address, capacity=h.capacity),
-                        timeout_s=spec.config.spawn_timeout_s)
-    except (ActorError, ValueError) as exc:  # SpawnError, a taken name, an owner that is gone
-        cause = exc.cause if isinstance(exc, SpawnError) else Failure.from_exception(exc)
-        log.error("actor %r failed to start: %s", spec.name, exc)
-        try:
-            await owner.ask(ChildDied(name=spec.name, cause=cause), timeout_s=5.0)
-        except ActorError as report_exc:  # the owner is gone; the exit status still tells
-            log.error("could not report the failure to the owner: %s", report_exc)
-        await system.close()
-        return 1
-    await system.wait_closed()
-    return 0

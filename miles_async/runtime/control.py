@@ -1,11 +1,15 @@
 """The actors every system hosts: `$system` (control), `$dataplane` (its data plane's reads and
-frees for other processes) and, on a run's first system, `$directory`."""
+frees for other processes) and, on a run's first system, `$directory`.
+
+`$system` works on its system through `ControlHost`, public methods that `ActorSystem`
+implements, so that this module stays below system.py."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
 
-from miles_async.runtime.actor import Actor, handler
+from miles_async.runtime.actor import Actor, ActorHost, handler
 from miles_async.runtime.dataplane import DATAPLANE_CAPACITY
 from miles_async.runtime.errors import UnknownActorError
 from miles_async.runtime.messages import (
@@ -24,14 +28,32 @@ from miles_async.runtime.messages import (
 )
 
 if TYPE_CHECKING:
-    from miles_async.runtime.system import ActorSystem
+    from miles_async.runtime.owner import Supervisor
+
+
+class ControlHost(ActorHost, Protocol):
+    """What `$system` needs of its `ActorSystem` beyond an actor's view (see their docstrings)."""
+
+    @property
+    def supervisor(self) -> Supervisor: ...
+
+    @property
+    def main_actor(self) -> str | None: ...
+
+    def hosts(self, name: str) -> bool: ...
+
+    def run_background(self, coro: Coroutine[Any, Any, Any]) -> None: ...
+
+    async def start_hosted(self, name: str) -> None: ...
+
+    async def close(self) -> None: ...
 
 
 class SystemActor(Actor):
     """Each system's control endpoint: children report here, owners send orders here."""
 
     mailbox_capacity = 1 << 16
-    system: ActorSystem
+    system: ControlHost
 
     @handler(concurrent=True)
     async def child_ready(self, msg: ChildReady) -> None:
@@ -44,29 +66,20 @@ class SystemActor(Actor):
     @handler(concurrent=True)
     async def stop_actor(self, msg: StopActor) -> None:
         system = self.system
-        h = system._hosted.get(msg.name.encode())
-        if h is None or h.name.startswith("$"):
+        if msg.name.startswith("$") or not system.hosts(msg.name):
             raise UnknownActorError(f"no actor named {msg.name!r} is hosted at {system.address}")
-        if h.main:  # a child process exists for this actor alone
-            system._background_task(system.close())
+        if msg.name == system.main_actor:  # a child process exists for this actor alone
+            system.run_background(system.close())
             return
-        rec = system.supervisor.children.get(msg.name)
-        if rec is not None:
-            await system.supervisor.stop_child(rec)
-        else:
-            await system._stop_hosted(h, "stopped")
+        await system.stop(msg.name)  # hosted here: stopped by its supervisor's record, or directly
 
     @handler(concurrent=True)
     async def restart_actor(self, msg: RestartActor) -> None:
-        system = self.system
-        h = system._hosted.get(msg.name.encode())
-        if h is None:
-            raise UnknownActorError(f"no actor named {msg.name!r} is hosted at {system.address}")
-        await system._start_hosted(h)
+        await self.system.start_hosted(msg.name)  # UnknownActorError if it is not hosted here
 
     @handler(concurrent=True)
     async def shutdown(self, msg: ShutdownSystem) -> None:
-        self.system._background_task(self.system.close())
+        self.system.run_background(self.system.close())
 
 
 class DataPlaneActor(Actor):
@@ -75,7 +88,6 @@ class DataPlaneActor(Actor):
     dict operations or a view of one piece, which the reply copies (a piece fits one frame)."""
 
     mailbox_capacity = DATAPLANE_CAPACITY
-    system: ActorSystem
 
     @handler
     def read_blob(self, msg: ReadBlob) -> memoryview:

@@ -57,7 +57,7 @@ import secrets
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
@@ -74,8 +74,8 @@ from miles_async.runtime.errors import (
 from miles_async.runtime.messages import ActorAddress, BlobRef, FreeBlobs, ReadBlob
 
 if TYPE_CHECKING:
+    from miles_async.runtime.config import RuntimeConfig
     from miles_async.runtime.refs import ActorRef
-    from miles_async.runtime.system import ActorSystem
 
 __all__ = ["DATAPLANE_ACTOR", "BlobRef", "DataPlane", "DataPlaneStats", "default_dataplane_dir"]
 
@@ -166,10 +166,23 @@ class _Segment:
         self.top = HEADER_BYTES
 
 
+class DataPlaneHost(Protocol):
+    """What a data plane needs of its `ActorSystem`: the address its blobs name as their owner,
+    the settings, and refs to other processes' `$dataplane` actors."""
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def config(self) -> RuntimeConfig: ...
+
+    def ref(self, entry: ActorAddress) -> ActorRef: ...
+
+
 class DataPlane:
     """The data plane of one `ActorSystem` (`system.dataplane`; see the module docstring)."""
 
-    def __init__(self, system: ActorSystem) -> None:
+    def __init__(self, system: DataPlaneHost) -> None:
         cfg = system.config
         self.folder = cfg.dataplane_dir or default_dataplane_dir()
         if not os.path.isdir(self.folder) or not os.access(self.folder, os.W_OK | os.X_OK):

@@ -5,6 +5,9 @@ exited), the system that spawned it hears of it here: from its own hosting code,
 `ChildDied` message sent by a child process, or from the process's sentinel. The `RestartPolicy`
 then decides: restart in place (`RestartActor` to a live child process), respawn the process at
 the same address (refs stay valid), or leave it dead (and, with `escalate`, crash the owner).
+
+The supervisor works on its system through `SupervisorHost`, a seam of public methods that
+`ActorSystem` implements, so that this module stays below system.py.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ import logging
 import multiprocessing
 import signal
 import sys
+from collections.abc import Callable, Coroutine
 from multiprocessing.reduction import ForkingPickler
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from miles_async.runtime import segments, wire
+from miles_async.runtime import child, segments, wire
 from miles_async.runtime.actor import Actor
 from miles_async.runtime.errors import (
     ActorDeadError,
@@ -31,7 +35,9 @@ from miles_async.runtime.messages import ActorAddress, ChildReady, RestartActor,
 from miles_async.runtime.supervision import RestartPolicy
 
 if TYPE_CHECKING:
-    from miles_async.runtime.system import ActorSystem
+    from miles_async.runtime.config import RuntimeConfig
+    from miles_async.runtime.dataplane import DataPlane
+    from miles_async.runtime.refs import ActorRef
 
 log = logging.getLogger("miles_async.runtime")
 
@@ -82,11 +88,59 @@ class Child:
 NOT_STARTED: Any = object()
 
 
-class Supervisor:
-    """The records of every actor a system spawned, and what happens when one dies."""
+class SupervisorHost(Protocol):
+    """What a `Supervisor` needs of its `ActorSystem` (the one implementation; see its docstrings)."""
 
-    def __init__(self, system: ActorSystem) -> None:
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def config(self) -> RuntimeConfig: ...
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def run_dir(self) -> str: ...
+
+    @property
+    def dataplane(self) -> DataPlane: ...
+
+    @property
+    def closing(self) -> bool: ...
+
+    @property
+    def key_dir(self) -> str | None: ...
+
+    @property
+    def directory_address(self) -> str: ...
+
+    def ref(self, entry: ActorAddress) -> ActorRef: ...
+
+    def run_background(self, coro: Coroutine[Any, Any, Any]) -> None: ...
+
+    async def start_hosted(self, name: str) -> None: ...
+
+    async def stop_hosted(self, name: str, reason: str) -> None: ...
+
+    def crash_hosted(self, name: str, failure: Failure, *, failed_start: bool = False) -> None: ...
+
+    def unregister(self, name: str) -> None: ...
+
+    def on_peer_ready(self, address: str) -> None: ...
+
+    def on_peer_exit(self, address: str, cause: Failure, *, expected: bool = False) -> None: ...
+
+
+class Supervisor:
+    """The records of every actor a system spawned, and what happens when one dies.
+
+    `serve` is what a child process runs once started (`ChildSpec.serve`: `system.serve_child`).
+    """
+
+    def __init__(self, system: SupervisorHost, serve: Callable[[child.ChildSpec], Coroutine[Any, Any, int]]) -> None:
         self.system = system
+        self.serve = serve
         self.children: dict[str, Child] = {}
         self.watchers: dict[str, list[asyncio.Future[Failure]]] = {}  # `ActorSystem.watch`, by child name
 
@@ -115,29 +169,27 @@ class Supervisor:
             rec.ready.set_exception(SpawnError(name, failure))
             return
         now = self.system.loop.time()
-        delay = None if self.system._closing else rec.policy.next_delay(rec.restarts, now)
+        delay = None if self.system.closing else rec.policy.next_delay(rec.restarts, now)
         if delay is None:
             self._dead(rec, failure)
             log.error("actor %r died and will not be restarted: %s", name, failure.describe())
             if rec.process not in (None, NOT_STARTED):
-                self.system._background_task(self.stop_child(rec, final_state=DEAD))
-            if rec.policy.escalate:
-                owner = self.system._hosted.get(rec.owner.encode())
-                if owner is not None and not owner.name.startswith("$"):
-                    self.system._crash(owner, Failure(type="ChildFailed", message=f"child actor {name!r} died: "
-                                               f"{failure.type}: {failure.message}", traceback=failure.traceback))
+                self.system.run_background(self.stop_child(rec, final_state=DEAD))
+            if rec.policy.escalate:  # an owner in this process (a system actor is never crashed)
+                self.system.crash_hosted(rec.owner, Failure(type="ChildFailed", message=f"child actor {name!r} died: "
+                                         f"{failure.type}: {failure.message}", traceback=failure.traceback))
             return
         rec.state = RESTARTING
         rec.restarts.append(now)
         log.warning("actor %r died (%s: %s); restarting in %.2fs", name, failure.type, failure.message, delay)
-        self.system.loop.call_later(delay, lambda: self.system._background_task(self.restart(rec)))
+        self.system.loop.call_later(delay, lambda: self.system.run_background(self.restart(rec)))
 
     async def restart(self, rec: Child) -> None:
-        if rec.state is not RESTARTING or self.system._closing:
+        if rec.state is not RESTARTING or self.system.closing:
             return
         try:
             if rec.process is None:
-                await self.system._start_hosted(self.system._hosted[rec.name.encode()])
+                await self.system.start_hosted(rec.name)
             elif rec.process.is_alive():
                 host = self.system.ref(ActorAddress(name=SYSTEM_ACTOR, address=rec.address, capacity=1024))
                 await host.ask(RestartActor(name=rec.name), timeout_s=self.system.config.spawn_timeout_s)
@@ -146,9 +198,7 @@ class Supervisor:
         except SpawnError as exc:
             rec.state = RUNNING  # so that the failure below is judged by the policy
             if rec.process is None:
-                h = self.system._hosted[rec.name.encode()]
-                h.state = RUNNING
-                self.system._crash(h, exc.cause)
+                self.system.crash_hosted(rec.name, exc.cause, failed_start=True)
             else:
                 self.on_child_died(rec.name, exc.cause)
             return
@@ -169,19 +219,15 @@ class Supervisor:
             return
         rec.state = STOPPING
         if rec.process is None:
-            h = self.system._hosted.get(rec.name.encode())
-            if h is not None:
-                await self.system._stop_hosted(h, "stopped by its owner")
+            await self.system.stop_hosted(rec.name, "stopped by its owner")
         elif rec.process is not NOT_STARTED:
             await self.stop_process(rec)
-            self.system._unregister(rec.name)
+            self.system.unregister(rec.name)
         rec.state = final_state
 
     # -- child processes --------------------------------------------------------------------
 
     async def start_process(self, rec: Child) -> None:
-        from miles_async.runtime import child  # the child entry point imports this module
-
         if rec.address:
             bind = rec.address  # a restart binds where the refs point
         elif self.system.config.transport == "ipc":
@@ -190,9 +236,10 @@ class Supervisor:
             bind = f"tcp://{self.system.config.host}:*"
         spec = child.ChildSpec(
             name=rec.name, cls=rec.cls, args=rec.args, kwargs=rec.kwargs, owner=rec.owner,
-            owner_address=self.system.address, directory=self.system._directory_address or self.system.address, bind=bind,
-            config=self.system.config, key_dir=self.system._key_dir, sys_path=list(sys.path),
-            log_level=logging.getLogger().getEffectiveLevel(), env=rec.env, run_tag=segments.run_tag())
+            owner_address=self.system.address, directory=self.system.directory_address, bind=bind,
+            config=self.system.config, key_dir=self.system.key_dir, sys_path=list(sys.path),
+            log_level=logging.getLogger().getEffectiveLevel(), serve=self.serve, env=rec.env,
+            run_tag=segments.run_tag())
         rec.ready = self.system.loop.create_future()
         rec.exited = self.system.loop.create_future()
         rec.reported = None
@@ -216,9 +263,7 @@ class Supervisor:
             raise SpawnError(rec.name, wire.problem(
                 "SpawnTimeout", f"child process did not start actor {rec.name!r} within "
                 f"{self.system.config.spawn_timeout_s:g}s")) from None
-        link = self.system._links.get(rec.address)
-        if link is not None and link.dead is not None:
-            self.system._revive(link)
+        self.system.on_peer_ready(rec.address)
 
     def on_peer_lost(self, address: str, cause: Failure) -> None:
         """A child process stopped answering (hung, or stopped by a signal): kill it, so that its
@@ -237,7 +282,7 @@ class Supervisor:
 
     def on_process_exit(self, rec: Child, proc: multiprocessing.process.BaseProcess) -> None:
         self.system.loop.remove_reader(proc.sentinel)
-        self.system._background_task(self._reaped(rec, proc))
+        self.system.run_background(self._reaped(rec, proc))
 
     async def _reaped(self, rec: Child, proc: multiprocessing.process.BaseProcess) -> None:
         # The sentinel pipe closes a moment before the process can be reaped: wait for its status.
@@ -260,9 +305,7 @@ class Supervisor:
             cause = rec.reported or wire.problem(
                 "ProcessExited", f"the process of actor {rec.name!r} (pid {proc.pid}) {how}")
         if rec.address:
-            link = self.system._links.get(rec.address)
-            if link is not None:
-                self.system._link_lost(link, cause, expected=rec.state is STOPPING)
+            self.system.on_peer_exit(rec.address, cause, expected=rec.state is STOPPING)
         if rec.exited is not None and not rec.exited.done():
             rec.exited.set_result(None)
         if rec.ready is not None and not rec.ready.done():
@@ -270,7 +313,7 @@ class Supervisor:
             return
         if rec.state is RUNNING and code == 0 and rec.reported is None:
             rec.state = STOPPED  # a clean exit is a stop (e.g. `stop` sent to it by another process)
-            self.system._unregister(rec.name)
+            self.system.unregister(rec.name)
         elif rec.state is RUNNING:
             self.on_child_died(rec.name, cause)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 import zmq
@@ -21,9 +21,33 @@ from miles_async.runtime.errors import ActorDeadError, AskTimeoutError, Failure,
 from miles_async.runtime.messages import ActorAddress, Message
 
 if TYPE_CHECKING:
-    from miles_async.runtime.system import ActorSystem
+    from miles_async.runtime.config import RuntimeConfig
 
 R = TypeVar("R")
+
+
+class Sender(Protocol):
+    """What an `ActorRef` sends through: its process's `ActorSystem`, the one implementation.
+
+    A ref asks for the Link to its target's host once, waits on it for room in the target's
+    window, and hands each message to `send`, which encodes it onto the Link's socket (or, for an
+    actor hosted in this process, delivers it into its mailbox).
+    """
+
+    @property
+    def config(self) -> RuntimeConfig: ...
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    def link_to(self, address: str) -> Link: ...
+
+    async def wait_room(self, link: Link, ref: ActorRef, timeout_s: float | None) -> float: ...
+
+    def send(self, link: Link, ref: ActorRef, kind: int, msg: Message, fut: asyncio.Future[Any] | None,
+             timer: asyncio.TimerHandle | None) -> None: ...
+
+    async def stop(self, target: ActorRef | str, *, timeout_s: float | None = None) -> None: ...
 
 
 class Link:
@@ -73,15 +97,15 @@ def reply_decoder(msg_type: type) -> msgspec.msgpack.Decoder:
 class ActorRef:
     """A live handle to an actor, wherever it runs. Cheap to copy; send `.entry` in messages."""
 
-    __slots__ = ("_link", "_route", "_system", "address", "capacity", "name")
+    __slots__ = ("_link", "_system", "address", "capacity", "name", "route")
 
-    def __init__(self, system: ActorSystem, entry: ActorAddress) -> None:
+    def __init__(self, system: Sender, entry: ActorAddress) -> None:
         self.name = entry.name
         self.address = entry.address
         self.capacity = entry.capacity
         self._system = system
-        self._link = system._link_to(entry.address)
-        self._route = entry.name.encode()
+        self._link = system.link_to(entry.address)
+        self.route = entry.name.encode()  # the name as frames carry it
 
     @property
     def entry(self) -> ActorAddress:
@@ -110,12 +134,12 @@ class ActorRef:
         if link.dead is not None:
             raise ActorDeadError(self.name, link.dead)
         if link.used.get(self.name, 0) >= self.capacity:
-            await self._system._wait_room(link, self, timeout_s)
-        self._system._send(link, self, wire.TELL, msg, None, None)
+            await self._system.wait_room(link, self, timeout_s)
+        self._system.send(link, self, wire.TELL, msg, None, None)
 
     def tell_nowait(self, msg: Message) -> None:
         """Like `tell`, but raises `MailboxFullError` instead of waiting for room."""
-        self._system._send(self._link_with_room(), self, wire.TELL, msg, None, None)
+        self._system.send(self._link_with_room(), self, wire.TELL, msg, None, None)
 
     async def ask(self, msg: Message[R], *, timeout_s: float | None = None) -> R:
         """Send and wait for the handler's return value (decoded as the message's reply type R).
@@ -130,7 +154,7 @@ class ActorRef:
             raise ActorDeadError(self.name, link.dead)
         timeout = self._system.config.ask_timeout_s if timeout_s is None else timeout_s
         if link.used.get(self.name, 0) >= self.capacity:
-            timeout = await self._system._wait_room(link, self, timeout)
+            timeout = await self._system.wait_room(link, self, timeout)
         return await self._ask(link, msg, timeout)
 
     def ask_future(self, msg: Message[R], *, timeout_s: float | None = None) -> asyncio.Future[R]:
@@ -156,7 +180,7 @@ class ActorRef:
         fut: asyncio.Future[R] = loop.create_future()  # resolved with the reply decoded as R (system.py)
         timer = loop.call_later(timeout_s, _expire, fut, self.name, timeout_s)
         try:
-            self._system._send(link, self, wire.ASK, msg, fut, timer)
+            self._system.send(link, self, wire.ASK, msg, fut, timer)
         except BaseException:
             timer.cancel()
             raise

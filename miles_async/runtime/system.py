@@ -24,17 +24,24 @@ What lives here:
 
 Sockets are plain (non-asyncio) pyzmq sockets driven by `loop.add_reader` on their FD, drained
 with non-blocking receives: far cheaper per message than a Future per `recv`.
+
+The pieces below this module reach the system only through Protocols that it implements, each
+declared beside its user: `refs.Sender` (what an ActorRef sends through), `dataplane.DataPlaneHost`,
+`actor.ActorHost` (an actor's `self.system`), `owner.SupervisorHost` and `control.ControlHost`.
+None touches a private member here, so system.py sits on top of the runtime's imports.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import os
 import shutil
 import tempfile
 from collections import deque
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -43,6 +50,7 @@ import zmq
 
 from miles_async.runtime import security, wire
 from miles_async.runtime.actor import Actor, HandlerSpec
+from miles_async.runtime.child import ChildSpec
 from miles_async.runtime.config import RuntimeConfig
 from miles_async.runtime.control import DataPlaneActor, Directory, SystemActor
 from miles_async.runtime.dataplane import DATAPLANE_ACTOR, DataPlane
@@ -60,6 +68,7 @@ from miles_async.runtime.errors import (
 from miles_async.runtime.messages import (
     ActorAddress,
     ChildDied,
+    ChildReady,
     Lookup,
     Message,
     Register,
@@ -83,6 +92,8 @@ from miles_async.runtime.supervision import RestartPolicy
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+    from miles_async.runtime.control import ControlHost
 
 log = logging.getLogger("miles_async.runtime")
 
@@ -123,7 +134,6 @@ class _Hosted:
         "cls",
         "failure",
         "kwargs",
-        "main",
         "name",
         "owner",
         "owner_address",
@@ -153,7 +163,6 @@ class _Hosted:
         self.failure: Failure | None = None
         self.backlog: dict[bytes, int] = {}
         self.route = name.encode()
-        self.main = False  # the actor a child process was started for
 
 
 
@@ -180,7 +189,7 @@ class ActorSystem:
         self._links: dict[str, Link] = {}
         self._local: Link | None = None
         self._hosted: dict[bytes, _Hosted] = {}
-        self.supervisor = Supervisor(self)
+        self.supervisor = Supervisor(self, serve_child)
         self._ids = itertools.count(1)
         self._encode = msgspec.msgpack.Encoder().encode
         self._max_body = self.config.max_message_bytes - wire.HEAD_BYTES - wire.MAX_ROUTE_BYTES
@@ -193,6 +202,7 @@ class ActorSystem:
         self._closing = False
         self._parent_pid = os.getppid()
         self.watch_parent = False  # set in child processes: exit when the parent is gone
+        self.main_actor: str | None = None  # in a child process: the actor it was started for
         self.dataplane: DataPlane = None  # type: ignore[assignment]  # made by start()
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -401,7 +411,7 @@ class ActorSystem:
         if rec is not None:
             return self.supervisor.watch(rec)
         fut: asyncio.Future[Failure] = self.loop.create_future()
-        link = self._link_to(target.address)
+        link = self.link_to(target.address)
         if link.dead is not None:
             fut.set_result(link.dead)
         else:
@@ -423,6 +433,93 @@ class ActorSystem:
         ref = target if isinstance(target, ActorRef) else await self.lookup(name)
         host = self.ref(ActorAddress(name=SYSTEM_ACTOR, address=ref.address, capacity=1024))
         await host.ask(StopActor(name=name), timeout_s=timeout_s)
+
+    # -- seams: what the supervisor (owner.SupervisorHost), the `$system` actor
+    # (control.ControlHost) and a child process use; not for actors ------------------------
+
+    @property
+    def closing(self) -> bool:
+        """True once `close()` began: from then on nothing is restarted."""
+        return self._closing
+
+    @property
+    def key_dir(self) -> str | None:
+        """The folder of the run's CURVE keys, which child processes load (None: CURVE is off)."""
+        return self._key_dir
+
+    @property
+    def directory_address(self) -> str:
+        """The address of the system that hosts the run's directory (this one's, on the first)."""
+        return self._directory_address or self.address
+
+    def hosts(self, name: str) -> bool:
+        """Whether an actor named `name` is hosted in this process, in any state."""
+        return name.encode() in self._hosted
+
+    async def start_hosted(self, name: str) -> None:
+        """(Re)start the actor `name` hosted here: a fresh instance, then `on_start`. Messages that
+        arrive meanwhile wait. Raises `SpawnError` if either fails, `UnknownActorError` if no such
+        actor is hosted here."""
+        h = self._hosted.get(name.encode())
+        if h is None:
+            raise UnknownActorError(f"no actor named {name!r} is hosted at {self.address}")
+        await self._start_hosted(h)
+
+    async def stop_hosted(self, name: str, reason: str) -> None:
+        """Stop the actor `name` hosted here, if there is one (see `stop`, which also finds the
+        actors of other processes)."""
+        h = self._hosted.get(name.encode())
+        if h is not None:
+            await self._stop_hosted(h, reason)
+
+    def crash_hosted(self, name: str, failure: Failure, *, failed_start: bool = False) -> None:
+        """Crash the actor `name` hosted here: its callers fail, `on_failure` runs, its children
+        stop and its owner decides. `failed_start`: its (re)start failed, so it is dead already and
+        is crashed all the same, for its owner's policy to judge. System actors are never crashed."""
+        h = self._hosted.get(name.encode())
+        if h is None or h.name.startswith("$"):
+            return
+        if failed_start:
+            h.state = RUNNING  # _crash passes over the dead
+        self._crash(h, failure)
+
+    def on_peer_ready(self, address: str) -> None:
+        """A process at `address` (a child, started or restarted there) is serving again."""
+        link = self._links.get(address)
+        if link is not None and link.dead is not None:
+            self._revive(link)
+
+    def on_peer_exit(self, address: str, cause: Failure, *, expected: bool = False) -> None:
+        """The process at `address` exited: its callers here fail with `cause` (quietly when
+        `expected`, i.e. it was being stopped)."""
+        link = self._links.get(address)
+        if link is not None:
+            self._link_lost(link, cause, expected)
+
+    async def serve_main(self, spec: ChildSpec) -> int:
+        """In a child process: host, start and register the actor it was started for, report to
+        its owner, and serve until this system closes. Returns the process's exit status (1: the
+        actor failed to start, and the owner was told why)."""
+        self.main_actor = spec.name
+        owner = self.ref(ActorAddress(name=SYSTEM_ACTOR, address=spec.owner_address, capacity=1 << 16))
+        h = self._host(spec.name, spec.cls, spec.args, spec.kwargs, spec.owner, spec.owner_address)
+        try:
+            await self._start_hosted(h)
+            entry = ActorAddress(name=spec.name, address=self.address, capacity=h.capacity)
+            await self._register(entry)
+            await owner.ask(ChildReady(name=spec.name, address=self.address, capacity=h.capacity),
+                            timeout_s=spec.config.spawn_timeout_s)
+        except (ActorError, ValueError) as exc:  # SpawnError, a taken name, an owner that is gone
+            cause = exc.cause if isinstance(exc, SpawnError) else Failure.from_exception(exc)
+            log.error("actor %r failed to start: %s", spec.name, exc)
+            try:
+                await owner.ask(ChildDied(name=spec.name, cause=cause), timeout_s=5.0)
+            except ActorError as report_exc:  # the owner is gone; the exit status still tells
+                log.error("could not report the failure to the owner: %s", report_exc)
+            await self.close()
+            return 1
+        await self.wait_closed()
+        return 0
 
     # -- hosting ----------------------------------------------------------------------------
 
@@ -600,7 +697,7 @@ class ActorSystem:
         for task in list(h.tasks):
             task.cancel()
         self._fail_queue(h)
-        self._background_task(self._after_crash(h, failure))
+        self.run_background(self._after_crash(h, failure))
 
     async def _after_crash(self, h: _Hosted, failure: Failure) -> None:
         actor = h.actor
@@ -643,14 +740,15 @@ class ActorSystem:
                 log.exception("on_stop of actor %r raised", h.name)
         h.state = STOPPED
         if not h.name.startswith("$") and not self._closing:
-            self._unregister(h.name)
+            self.unregister(h.name)
 
     # -- directory --------------------------------------------------------------------------
 
     async def _register(self, entry: ActorAddress) -> None:
         await self.directory.ask(Register(entry=entry), timeout_s=self.config.spawn_timeout_s)
 
-    def _unregister(self, name: str) -> None:
+    def unregister(self, name: str) -> None:
+        """Drop `name` from the run's directory (a tell: a directory that is gone or busy leaves it stale)."""
         if self._closing and self._directory_address not in self._links:
             return  # no new sockets while closing; the run's directory may outlive us with a stale name
         try:
@@ -660,7 +758,11 @@ class ActorSystem:
 
     # -- the wire: calling side -------------------------------------------------------------
 
-    def _link_to(self, address: str) -> Link:
+    # These three are `refs.Sender`, the seam every ActorRef sends through; call `ActorRef`'s
+    # tell/ask rather than these.
+
+    def link_to(self, address: str) -> Link:
+        """The Link to the host process at `address` (made, and its socket connected, on first use)."""
         link = self._links.get(address)
         if link is None:
             # while closing, links are still made: stopping a child process that was never
@@ -689,7 +791,7 @@ class ActorSystem:
         sock.connect(address)
         return sock
 
-    def _send(self, link: Link, ref: ActorRef, kind: int, msg: Message, fut: asyncio.Future[Any] | None,
+    def send(self, link: Link, ref: ActorRef, kind: int, msg: Message, fut: asyncio.Future[Any] | None,
               timer: asyncio.TimerHandle | None) -> None:
         """Send (or deliver here) one message; an ask's `fut` gets the outcome, `timer` is its timeout."""
         if link.sock is None:
@@ -704,13 +806,13 @@ class ActorSystem:
             link.pending[msg_id] = [fut, reply_decoder(type(msg)), ref.name, timer]
         link.used[ref.name] = link.used.get(ref.name, 0) + 1
         sock = link.sock
-        _send(sock, wire.HEAD.pack(kind, msg_id, len(ref._route)) + ref._route + body, NOBLOCK)
+        _send(sock, wire.HEAD.pack(kind, msg_id, len(ref.route)) + ref.route + body, NOBLOCK)
         if _get(sock, EVENTS) & POLLIN:  # see _kick_link
             self._kick_link(link)
 
     def _send_local(self, link: Link, ref: ActorRef, kind: int, msg: Message, fut: asyncio.Future[Any] | None,
                     timer: asyncio.TimerHandle | None) -> None:
-        h = self._hosted.get(ref._route)
+        h = self._hosted.get(ref.route)
         if h is None:
             raise UnknownActorError(f"no actor named {ref.name!r} is hosted at {self.address}")
         spec = h.table.specs.get(type(msg))
@@ -720,7 +822,7 @@ class ActorSystem:
         link.used[ref.name] = link.used.get(ref.name, 0) + 1
         self._deliver(h, _Env(None, 0, kind == wire.ASK, msg, spec, fut, timer))
 
-    async def _wait_room(self, link: Link, ref: ActorRef, timeout_s: float | None) -> float:
+    async def wait_room(self, link: Link, ref: ActorRef, timeout_s: float | None) -> float:
         """Wait until `ref`'s window has room; returns what is left of `timeout_s`."""
         deadline = None if timeout_s is None else self.loop.time() + timeout_s
         while link.used.get(ref.name, 0) >= ref.capacity:
@@ -876,7 +978,7 @@ class ActorSystem:
                     self._ping(link)
             if self.watch_parent and os.getppid() != self._parent_pid:
                 log.error("actor system %r: parent process is gone; shutting down", self.name)
-                self._background_task(self.close())
+                self.run_background(self.close())
 
     # -- the wire: hosting side -------------------------------------------------------------
 
@@ -975,7 +1077,8 @@ class ActorSystem:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _background_task(self, coro: Any) -> None:
+    def run_background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run `coro` as a task of this system: cancelled when it closes, its failure logged."""
         task = self.loop.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background_done)
@@ -988,6 +1091,24 @@ class ActorSystem:
     def _check_started(self) -> None:
         if not self._started or self._closing:
             raise RuntimeError(f"actor system {self.name!r} is not running (use `async with ActorSystem()`)")
+
+
+async def serve_child(spec: ChildSpec) -> int:
+    """A child process's life once `child.main` has set it up (the `serve` of its `ChildSpec`):
+    its own system, joined to its owner's run, serving the one actor it was started for."""
+    system = ActorSystem(spec.name, config=spec.config, directory=spec.directory, bind=spec.bind,
+                         key_dir=spec.key_dir)
+    await system.start()
+    system.watch_parent = True
+    gc.freeze()  # this process lives on: keep its start-up objects out of every later collection
+    return await system.serve_main(spec)
+
+
+if TYPE_CHECKING:
+    def _seams(system: ActorSystem) -> ControlHost:
+        """The `$system` actor's seam, which nothing else assigns: mypy checks it here (the other
+        seams are checked where the system hands itself to a ref, its data plane, its supervisor)."""
+        return system
 
 
 def _stopped(name: str) -> Failure:

@@ -263,6 +263,29 @@ def test_restart_on_failure_gives_a_fresh_instance_until_the_limit():
     arun(scenario())
 
 
+class FlakyStart(Counter):
+    """A counter whose second instance fails in `on_start`: a restart in place that fails."""
+
+    async def on_start(self) -> None:
+        await super().on_start()
+        if Counter.instances == 2:
+            raise RuntimeError("warm-up failed")
+
+
+def test_a_restart_whose_on_start_fails_is_judged_by_the_policy_again():
+    async def scenario():
+        async with ActorSystem() as system:
+            policy = RestartPolicy(mode="on_failure", max_restarts=3, backoff_s=0.01)
+            c = await system.spawn(FlakyStart, "c", args=(10,), restart=policy)
+            await c.tell(Boom(text="crash"))
+            # instance 2 fails to start: that failure is a death too, so a third instance comes
+            assert await _eventually(c.ask, Get()) == 10
+            assert Counter.instances == 3
+            assert Counter.events.count("failure:c:RuntimeError") == 1  # its on_failure ran
+
+    arun(scenario())
+
+
 def test_escalation_crashes_the_owner_and_stopping_an_owner_stops_its_children():
     async def scenario():
         async with ActorSystem() as system:
