@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from miles_async import __version__
+from miles_async.launch.console import log_level, restart_line
 
 PROG = "miles-async"
 NOT_IMPLEMENTED_STATUS = 2
@@ -72,11 +73,6 @@ def _restarts(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
-
-
-def restart_line(attempt: int, max_restarts: int, cause: BaseException) -> str:
-    """What a restart says on stderr: which one, and the cause (the run's own one-line error)."""
-    return f"restart {attempt} of {max_restarts}: {cause}"
 
 
 def _not_implemented(verb: str, args: argparse.Namespace, extra: list[str]) -> int:
@@ -276,14 +272,6 @@ def _sft(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"{PROG} sft: the run cannot start: {e}", file=sys.stderr)
         return 2
     return _summary(out, result)
-
-
-def log_level(args: argparse.Namespace) -> int:
-    """--quiet: warnings only; --verbose: every weight update, probe and turn (DEBUG); else the few
-    lines a run says once (INFO) beside the progress display."""
-    import logging
-
-    return logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
 
 
 def _plot(args: argparse.Namespace, extra: list[str]) -> int:

@@ -197,7 +197,7 @@ async def run_node_zero(args: Any, config: Any, rdzv: Any, store: Any, host: str
     from miles_async.actors.controller import Controller, RunLostError, run_restarting
     from miles_async.actors.fleet import LocalSpawner, Node
     from miles_async.launch.agent import RemoteSpawner, ShutdownNode
-    from miles_async.launch.cli import restart_line
+    from miles_async.launch.console import restart_line
     from miles_async.runtime import ActorSystem
 
     runtime = runtime_config(host, args)
@@ -285,7 +285,7 @@ def main(args: Any) -> int:
     from miles_async.actors.preflight import check_run
     from miles_async.actors.recipe import dump_recipe_toml, load_recipe
     from miles_async.launch.catalog import find_recipe
-    from miles_async.launch.cli import log_level
+    from miles_async.launch.console import log_level
     from miles_async.launch.rendezvous import RendezvousError, load_secret, rendezvous
     from miles_async.runtime import SpawnError
     from miles_async.runtime import run as run_async

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from miles_async.models.config import ModelConfig
+from miles_async.models.layers import MLP, Linear, RMSNorm
 
 PREFIX = "mtp."  # the head's weights in checkpoints and updates
 DRAFT_SEED = 20_251_202  # of the head's first weights: the trainer's and the engines' agree without a push
@@ -42,8 +43,6 @@ class DraftHead(nn.Module):
     """g_{t+1} = norm(x + mlp(mlp_norm(x))), x = eh_proj([enorm(embed(token_{t+1})), hnorm(h_t)])."""
 
     def __init__(self, config: ModelConfig) -> None:
-        from miles_async.models.transformer import MLP, Linear, RMSNorm
-
         super().__init__()
         width, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(width, eps)

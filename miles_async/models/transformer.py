@@ -6,7 +6,8 @@ Module and parameter names are Hugging Face's (`model.layers.3.self_attn.q_proj.
 `model.layers.3.mlp.experts.5.up_proj.weight`, ...), so a checkpoint's tensors load by name and
 the weights an engine receives in an update are named as the trainer's are. The numerics follow
 transformers' own modeling code step by step (fp32 RMSNorm, fp32 RoPE tables, router softmax in
-fp32), so logits agree with it to float rounding.
+fp32), so logits agree with it to float rounding. `Linear`, `RMSNorm` and `MLP`, which the draft
+head is built of too, are in models/layers.py.
 
 Tensor names (STYLE rule 10): B batch, T tokens, V vocab, D hidden, N query heads, K kv heads,
 H head dim, F MLP width, E experts, k experts per token, M tokens flattened (B*T), m the tokens
@@ -23,92 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from miles_async.kernels import batch_invariant, cpu_kernels, onednn, quant
+from miles_async.kernels import cpu_kernels, onednn, quant
 from miles_async.models.attention import AttentionBackend, DenseCausalAttention
 from miles_async.models.config import ModelConfig
 from miles_async.models.draft import DraftHead
-from miles_async.models.lora import DEFAULT_TARGETS, lora_delta
-
-_DEQUANT_BLOCK_BYTES = 4 << 20  # Linear._dequantizing: the most full-precision weight made at once
+from miles_async.models.layers import MLP, Linear, RMSNorm
+from miles_async.models.lora import DEFAULT_TARGETS
 from miles_async.models.rope import Rotary, apply_rotary
-
-
-class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and names) that can run batch-invariant (true on-policy mode),
-    or from a prepacked copy of its weight (`kernels.onednn`, the engine's, inference only), with
-    a low-rank adapter when `models.lora.add_lora` gave it one (`lora_A`, `lora_B`)."""
-
-    batch_invariant = False  # set per module by CausalLM.set_batch_invariant
-    prepacked: torch.Tensor | None = None  # set per module by CausalLM.prepack_weights
-    lora_rank = 0  # set per module by add_lora; 0: no adapter
-    lora_base: torch.Tensor | None = None  # set by merge_lora: the weight holds base + the adapter's delta
-    fake_quant = ""  # set by CausalLM.set_fake_quant: the trainer's quantization-aware format
-    # set by CausalLM.hold_quantized: the weight is held only as this format's tensors
-    # (weight_packed, weight_scale[, weight_global_scale]: kernels.quant.to_named), of dtype qdtype
-    qformat = ""
-    qdtype = torch.float32
-    served: torch.Tensor | None = None  # set by CausalLM.dequantize_served: the held weight, dequantized
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        matmul = batch_invariant.linear if self.batch_invariant else F.linear
-        if self.fake_quant:  # quantization-aware training: the layer as an engine serving the format runs it
-            if self.fake_quant == "fp8_block":  # and the backward's matmuls on FP8 values too
-                return quant.fp8_linear(x, self.weight, self.bias, matmul=matmul)
-            if self.fake_quant in quant.ACTIVATION_FORMATS:
-                x = quant.fake_quant(x, self.fake_quant, kind="activation")
-            return matmul(x, quant.fake_quant(self.weight, self.fake_quant), self.bias)
-        if self.qformat and self.prepacked is None:  # the engine, serving a quantized format
-            if self.qformat in quant.ACTIVATION_FORMATS:  # W8A8: the activations quantized per token
-                x = quant.dequantize(quant.quantize(x, self.qformat, kind="activation"))
-            if self.served is None:
-                return self._dequantizing(x)
-            return matmul(x, self.served, self.bias)
-        if self.lora_rank and self.lora_base is None:  # an adapter, unmerged (the trainer's)
-            if self.batch_invariant:  # the merged weight, as the engine serves it (bit for bit), with gradient
-                return batch_invariant.linear(x, self.weight + lora_delta(self.lora_A, self.lora_B, self.lora_scale),
-                                              self.bias)
-            lora = F.linear(F.linear(x, self.lora_A), self.lora_B) * self.lora_scale  # PEFT's order
-            return F.linear(x, self.weight, self.bias) + lora
-        if self.batch_invariant:
-            return batch_invariant.linear(x, self.weight, self.bias)
-        if self.prepacked is not None:
-            return onednn.linear(x, self.prepacked, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-    def quantized(self) -> quant.QTensor:
-        """The weight as held (`CausalLM.hold_quantized`), a view of the module's tensors."""
-        return quant.from_named(self.qformat, (self.out_features, self.in_features), self.qdtype,
-                                self.weight_packed, self.weight_scale, getattr(self, quant.GLOBAL_SCALE, None))
-
-    def _dequantizing(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer from its quantized weight alone: dequantize a block of output rows at a time
-        (at most ~4 MiB of them in fp32), so the full-precision weight never exists whole."""
-        q = self.quantized()
-        step = max(q.block[0], (_DEQUANT_BLOCK_BYTES // (4 * self.in_features)) // q.block[0] * q.block[0])
-        outs = []
-        for start in range(0, self.out_features, step):
-            stop = min(start + step, self.out_features)
-            weight = quant.dequantize(q.rows(start, stop)).to(x.dtype)
-            bias = None if self.bias is None else self.bias[start:stop]
-            outs.append(batch_invariant.linear(x, weight, bias) if self.batch_invariant else F.linear(x, weight, bias))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, width: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(width))
-        self.eps = eps
-
-    fused = False  # set by CausalLM.use_cpu_kernels: one kernel (kernels/cpu_kernels.py), inference only
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and not x.requires_grad:
-            return cpu_kernels.rms_norm(x, self.weight, self.eps)
-        # Normalise in fp32, cast back, then scale: transformers' order, which matters in bf16.
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -154,32 +76,6 @@ class Attention(nn.Module):
         q_BTNH, k_BTKH = rotate(q_BTNH, *cos_sin), rotate(k_BTKH, *cos_sin)
         out_BTNH = attn(self.layer_idx, q_BTNH, k_BTKH, v_BTKH, positions_BT)
         return self.o_proj(out_BTNH.reshape(batch, num_tokens, self.num_heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    batch_invariant = False  # set by CausalLM.set_batch_invariant: torch's fused silu is not
-    fused = False  # set by CausalLM.use_cpu_kernels: silu(gate) * up in one kernel (with gate_up_prepacked)
-
-    def __init__(self, hidden_size: int, width: int, bias: bool = False) -> None:
-        super().__init__()
-        self.gate_proj = Linear(hidden_size, width, bias=bias)
-        self.up_proj = Linear(hidden_size, width, bias=bias)
-        self.down_proj = Linear(width, hidden_size, bias=bias)
-
-    # (weight, bias) of gate and up stacked and prepacked: set by CausalLM.prepack_weights
-    gate_up_prepacked: tuple[torch.Tensor, torch.Tensor | None] | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_prepacked is not None and not x.requires_grad:  # one matmul for gate and up
-            gate_up = onednn.linear(x, *self.gate_up_prepacked)
-            if self.fused:
-                return self.down_proj(cpu_kernels.silu_mul(gate_up))
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        act = batch_invariant.silu if self.batch_invariant else F.silu
-        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class SparseMoE(nn.Module):
