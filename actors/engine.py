@@ -227,7 +227,7 @@ class EngineActor(Actor):
         self.engine = await compute.run(Engine.from_pretrained, self.model_dir, config=self.config,
                                         dtype=DTYPES[self.dtype])
         await self.engine.start()
-        colocated.register(self.name, self.engine)
+        colocated.register(self.name, self.engine.weights)
         host, port = self.http
         if port is not None:
             self.server = EngineServer(self.engine, host, port, api_key=self.api_key)
@@ -312,7 +312,7 @@ class EngineActor(Actor):
 
     @handler
     async def begin_update(self, msg: BeginUpdate) -> EngineState:
-        await self.engine.begin_weight_update(msg.version)
+        await self.engine.weights.begin_update(msg.version)
         self._cancel_lease()
         self._lease = asyncio.get_running_loop().call_later(msg.lease_s, self._lease_expired, msg.version,
                                                             msg.lease_s)
@@ -372,7 +372,7 @@ class EngineActor(Actor):
 
     @handler
     async def apply_delta(self, msg: ApplyDelta) -> EngineState:
-        await self.engine.apply_weight_delta(msg.folder)
+        await self.engine.weights.apply_delta(msg.folder)
         return self.state()
 
     @handler
@@ -399,24 +399,24 @@ class EngineActor(Actor):
     async def commit_update(self, msg: CommitUpdate) -> EngineState:
         self._cancel_lease()
         self._close_rdma()
-        await self.engine.commit_weight_update(msg.checksums)
+        await self.engine.weights.commit_update(msg.checksums)
         return self.state()
 
     @handler
     async def abort_update(self, msg: AbortUpdate) -> EngineState:
         self._cancel_lease()
         self._close_rdma()
-        await self.engine.abort_weight_update(msg.reason)
+        await self.engine.weights.abort_update(msg.reason)
         return self.state()
 
     @handler
     async def random_fill(self, msg: RandomFill) -> EngineState:
-        await self.engine.random_fill_weights(msg.seed)
+        await self.engine.weights.random_fill(msg.seed)
         return self.state()
 
     @handler
     async def checksums(self, msg: GetChecksums) -> dict[str, str]:
-        return await self.engine.weight_checksums()
+        return await self.engine.weights.checksums()
 
     # ----- the lease -----
 
@@ -433,5 +433,5 @@ class EngineActor(Actor):
     async def _expire(self, version: int, lease_s: float) -> None:
         if self.engine.weights.updating != version:
             return
-        await self.engine.abort_weight_update(f"no commit within the {lease_s:g}s lease: the pusher is gone")
+        await self.engine.weights.abort_update(f"no commit within the {lease_s:g}s lease: the pusher is gone")
         await self.engine.resume()

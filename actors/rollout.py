@@ -44,7 +44,7 @@ from miles_async.actors.external import ServerConfig
 from miles_async.actors.sessions import TakeSession
 from miles_async.engine.backend import Backend, EngineBackend, GenerateParams, connect
 from miles_async.engine.client import EngineHTTPError, EngineOutput, bearer
-from miles_async.engine.core import EngineConfig
+from miles_async.engine.config import EngineConfig
 from miles_async.engine.request import GenerateRequest
 from miles_async.engine.sampling import SamplingParams
 from miles_async.models.config import ModelConfig

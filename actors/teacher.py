@@ -46,7 +46,7 @@ import numpy as np
 from miles_async.actors.engine import ScoreTokens
 from miles_async.actors.external import ServerConfig
 from miles_async.engine.backend import Backend, EngineBackend, connect
-from miles_async.engine.core import EngineConfig
+from miles_async.engine.config import EngineConfig
 from miles_async.runtime import Actor, ActorRef, BlobRef, Message, handler
 from miles_async.trajectory import TokenData, Trajectory, blobs, decode_data, encode_data
 

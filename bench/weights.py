@@ -6,7 +6,7 @@ projections, norms), `--mib` MiB in all (256 by default, the issue's minimum). I
 * `copy_`: a plain in-memory copy of the same bytes into preallocated tensors (the physical
   limit of a same-node write);
 * colocated: `transport.colocated.handoff` of the same tensors to an engine in this process,
-  whose weights (a `WeightStore`, double-buffered, as `Engine.adopt_weights` uses it) take each
+  whose weights (a double-buffered `WeightStore`, as an engine's) take each
   tensor as it is where dtype, shape and device match (a pointer swap, no bytes move; all of
   them here, fp32 into fp32) and copy it with a cast otherwise; its GB/s is the model's bytes
   over that time, beside `copy_`'s;
@@ -125,8 +125,8 @@ def _module_of(weights: Mapping[str, torch.Tensor]) -> torch.nn.Module:
 
 
 class _ColocatedEngine:
-    """The engine's side of the colocated handoff as `Engine.adopt_weights` does it (`WeightStore`:
-    begin, adopt, commit), without a model to serve, so the bench times only the handoff."""
+    """The engine's side of the colocated handoff as `WeightStore.adopt_weights` does it (begin,
+    adopt, commit), without a model to serve, so the bench times only the handoff."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.weights = WeightStore(model, double_buffer=True)  # adoption without a copy needs the double buffer

@@ -1,11 +1,18 @@
 """The embedded rollout engine, its SGLang-compatible HTTP API, and clients of external engines (docs/design.md, "Engines").
 
-- `Engine` (core.py): continuous batching over a paged KV cache with a radix prefix cache,
-  sampling with per-token log-probs, abort, pause/continue, weight updates, routed
-  experts for MoE models; on the CPU or a GPU (`EngineConfig.device`).
-- `WeightStore` (weights.py): the engine's weights as an update target: versions in order,
-  an optional double buffer, shared-memory weights, and the torn state an interrupted update
-  leaves (the engine then refuses requests and its /health says why). `Engine.from_pretrained(DIR)`; `await engine.generate(GenerateRequest(...))`.
+- `Engine` (core.py): the lifecycle, the requests, control (pause/continue, abort, memory
+  release) and the loop that wires the three parts below; `Engine.from_pretrained(DIR)`;
+  `await engine.generate(GenerateRequest(...))`. Its config is `EngineConfig` (config.py), on the
+  CPU or a GPU (`EngineConfig.device`).
+- `Scheduler` (scheduler.py): the waiting and running queues, admission, chunked prefill,
+  retraction, the KV blocks and the radix prefix cache, draft budgets; no torch forward.
+- `ModelRunner` (runner.py): the forward, drafting and verification, sampling with per-token
+  log-probs, routed experts for MoE models, and `prepare()` after each weight change (LoRA merge,
+  dequantization, prepacking), so the step path checks no weight epoch.
+- `WeightStore` (weights.py, `engine.weights`): every update path (begin/commit/abort, tensors,
+  disk, deltas, adoption, checksums, random fill), versions in order, an optional double buffer,
+  shared-memory weights, and the torn state an interrupted update leaves (the engine then refuses
+  requests and its /health says why).
 - `EngineServer` / `create_app` (server.py): SGLang 0.5.23's endpoints and shapes over aiohttp,
   OpenAI's routes, streamed or not (openai.py), Prometheus /metrics (metrics.py), the pieces they
   share in http_base.py; `miles-async serve engine --model DIR --port P` runs it.

@@ -432,7 +432,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         if body.get("load_format") not in (None, "auto", "safetensors"):
             raise BadRequest(f"load_format={body['load_format']!r} is not supported (safetensors folders only)")
         num_aborted = await engine.abort(abort_all=True) if body_field(body, "abort_all_requests", bool, False) else 0
-        version = await engine.update_weights_from_disk(model_path, weight_version)
+        version = await engine.weights.update_from_disk(model_path, weight_version)
         return _weight_answer(True, f"Succeeded to update model weights (version {version}).", num_paused_requests=0,
                               num_aborted_requests=num_aborted, weight_version=version)
 
@@ -447,7 +447,7 @@ async def update_weight_version(request: web.Request) -> web.Response:
         new_version = required_field(body, "new_version", str)
         if body_field(body, "abort_all_requests", bool, True):  # SGLang's default
             await engine.abort(abort_all=True)
-        label = await engine.update_weight_version(new_version)
+        label = await engine.weights.relabel(new_version)
         return _weight_answer(True, f"Weight version updated to {label}", new_version=label)
 
     return await _weight_call(call, "update weight version")
@@ -522,7 +522,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     of tensors shared by handle (CUDA IPC, or file descriptors) from a trainer colocated with the
     engine's scheduler. The embedded engine serves from another process than any trainer, so the
     handles cannot be opened here, and unpickling a request body would run whatever it holds.
-    The colocated handoff is in-process instead (`Engine.adopt_weights`, the engine actor's)."""
+    The colocated handoff is in-process instead (`WeightStore.adopt_weights`, the engine actor's)."""
     return _weight_answer(False, "update_weights_from_tensor is not supported by the embedded engine: SGLang's "
                           "serialized_named_tensors are pickled tensor handles for a colocated trainer, which this "
                           "server can neither open nor safely unpickle; use /update_weights_from_distributed or "
@@ -580,7 +580,7 @@ def create_app(engine: Engine, served_model_name: str | None = None) -> web.Appl
     `default_served_model_name`)."""
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
-    app[RECEIVER_KEY] = receiver = GroupReceiver(engine)
+    app[RECEIVER_KEY] = receiver = GroupReceiver(engine.weights)
     app[STARTED_KEY] = time.time()
     app[MODEL_NAME_KEY] = served_model_name or default_served_model_name(engine.model_path)
     app[LATENCY_KEY] = Histogram()
@@ -654,7 +654,7 @@ async def serve_forever(engine: Engine, host: str, port: int, api_key: str | Non
 def main(model_path: str, host: str, port: int, api_key: str | None = None, served_model_name: str | None = None,
          **engine_config: Any) -> int:
     """`miles-async serve engine`: load the model, serve (as `served_model_name`) until interrupted."""
-    from miles_async.engine.core import EngineConfig
+    from miles_async.engine.config import EngineConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -9,6 +9,14 @@ of them is atomic from the engine's view and ordered by version:
     store.commit(expected_checksums)  # verifies if asked, then makes the new version live
     store.abort(reason)               # or gives up
 
+An engine's store (`engine.weights`) also runs every whole update itself, between steps under
+the engine's lock, and tells the engine when the live weights changed (it flushes its prefix
+cache, and its model runner prepares the new weights once):
+
+    await engine.weights.update_from_tensors(state_dict, weight_version=3)   # or update_from_disk(dir)
+    await engine.weights.begin_update(4) ... await engine.weights.commit_update(checksums)
+    await engine.weights.apply_delta(folder); await engine.weights.adopt_weights(tensors, 5)
+
 Versions are integers; `label` is what SGLang clients see as `weight_version` (an integer's
 text, or a name such as "step-7" given over HTTP, which then counts as the next integer).
 
@@ -34,7 +42,7 @@ Devices: the store's tensors are the model's, on the engine's device; `write` co
 tensors from anywhere, the CPU included, into them. Shared-memory stores are CPU only.
 
 Which weights (`names`): by default every weight of the model; with LoRA the adapters alone (an
-update writes them, the engine merges them into its copy of the base; engine/core.py). A model
+update writes them, the engine merges them into its copy of the base; engine/runner.py). A model
 holding its projections in a quantized format (`weight_format`, `CausalLM.hold_quantized`) has
 the format's tensors in their place (`<module>.weight_packed`, ...), which a pusher sends
 quantized; a full-precision `<module>.weight` that arrives instead (a checkpoint, tensors from a
@@ -53,24 +61,32 @@ double-buffered at no extra memory.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from miles_async.engine import compute
+from miles_async.models.draft import PREFIX as DRAFT_PREFIX
+from miles_async.models.draft import has_draft
 from miles_async.transport.buckets import NamedTensors, as_items
 from miles_async.transport.errors import TransportError
 from miles_async.transport.shm import SharedWeights
 from miles_async.transport.verify import checksums, compare, random_fill
 
 if TYPE_CHECKING:
-    from miles_async.engine.core import Engine
     from miles_async.transport.groups import WeightGroup
+
+log = logging.getLogger(__name__)
 
 
 class StaleVersionError(ValueError):
     """An update whose version is not newer than the engine's: rejected, nothing written."""
+
+
+class WeightsUnavailableError(RuntimeError):
+    """The weights are torn (an update did not complete); nothing is served until one does (HTTP 503)."""
 
 
 def parse_version(label: str | int | None, current: int) -> tuple[int, str]:
@@ -98,12 +114,27 @@ def unique_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dic
 
 
 class WeightStore:
-    """One engine's weights and their update state; see the module docstring. Not thread-safe:
-    the engine calls it between steps (under its lock), transports only write `target` tensors."""
+    """One engine's weights and their update state; see the module docstring.
+
+    Two faces. The engine's (async, each between steps under the engine's `lock`, each calling
+    `on_change` once the weights changed: the engine flushes its prefix cache and has its model
+    runner `prepare()` them): `update_from_tensors`, `update_from_disk`, `apply_delta`,
+    `adopt_weights`, `begin_update` / `commit_update` / `abort_update`, `relabel`, `checksums`,
+    `random_fill`. The transports' (sync, not thread-safe): `begin` .. `write` / `mark_written`
+    into `target()` .. `commit` or `abort`, which the engine's face wraps; a transport in another
+    thread or process only writes `target` tensors.
+    """
 
     def __init__(self, model: torch.nn.Module, *, double_buffer: bool = False, shared: bool = False,
                  version: int = 0, label: str | None = None, names: list[str] | None = None,
-                 weight_format: str = "") -> None:
+                 weight_format: str = "", lock: asyncio.Lock | None = None,
+                 on_change: Callable[[], Awaitable[None]] | None = None, keep_draft: bool = False,
+                 model_path: str | None = None) -> None:
+        self._model = model
+        self._lock = lock or asyncio.Lock()
+        self._on_change = on_change
+        self.keep_draft = keep_draft  # a speculating engine's draft head (models/draft.py) is updated too
+        self.model_path = model_path  # the checkpoint folder the weights last came from, if any
         self.params, self.aliases = unique_weights(model)
         self.weight_format = weight_format
         if names is not None:  # the weights updates write (LoRA: the adapters); the rest stays as loaded
@@ -144,6 +175,11 @@ class WeightStore:
                 self.spare = {name: torch.empty_like(t) for name, t in live.items()}
 
     # ----- state -----
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live (the engine's device)."""
+        return next(iter(self.params.values())).device
 
     @property
     def nbytes(self) -> int:
@@ -322,23 +358,14 @@ class WeightStore:
         if self._segments:
             self._live_seq = self._segments[0].seq
 
-    def relabel(self, label: str) -> int:
-        """Give the live weights a new label (SGLang's /update_weight_version); return the version.
-
-        An integer label is the version (not older than the engine's); a name keeps the version.
-        """
+    def _relabel(self, label: str) -> None:
         integer = label.strip().lstrip("-").isdigit()
         version = int(label) if integer else self.version
         if version < self.version:
             raise StaleVersionError(f"weight version {version} is older than the engine's {self.version}")
         self.version, self.label = version, str(version) if integer else label
-        return self.version
 
-    def checksums(self) -> dict[str, str]:
-        return checksums(self.live)
-
-    def random_fill(self, seed: int) -> None:
-        """Overwrite the live weights with seeded noise (the verification check's starting point)."""
+    def _random_fill(self, seed: int) -> None:
         random_fill(self.live, seed)
         if self._segments:
             self._live_seq = self._segments[0].seq
@@ -385,6 +412,121 @@ class WeightStore:
         for segment in self._segments:
             segment.close()
         self._segments = []
+
+    # ----- the engine's face: each between steps, under the engine's lock -----
+
+    async def update_from_tensors(self, named_tensors: NamedTensors, weight_version: str | int | None = None) -> str:
+        """Copy a complete set of weights in (between steps, casting to the engine's dtype); return the label.
+
+        `weight_version`: an integer (or its text) newer than the engine's, or a name (the next
+        integer); an older one raises StaleVersionError (a ValueError) before anything is
+        written, as does a wrong name or shape. The engine's prefix cache is flushed (its KV came
+        from the old weights); running requests continue on their existing KV. A speculating
+        engine keeps its draft head's weights when the update has none (a checkpoint without a
+        draft head); another ignores a draft head's weights.
+        """
+        version, label = parse_version(weight_version, self.version)
+        items = list(as_items(named_tensors))
+        if not self.keep_draft:  # a draft head's weights (models/draft.py): for speculating engines only
+            items = [(name, tensor) for name, tensor in items if not name.startswith(DRAFT_PREFIX)]
+        elif not has_draft(name for name, _ in items):
+            items += [(f"{DRAFT_PREFIX}{name}", tensor.detach().clone())
+                      for name, tensor in cast(torch.nn.Module, self._model.mtp).state_dict().items()]
+        async with self._lock:
+            self.check_newer(version)
+            self.check(items)  # every name and shape checked before begin() tears anything
+            self.begin(version, label)
+            try:
+                await compute.run(self.write, items)
+            except BaseException as e:
+                self.abort(f"{type(e).__name__}: {e}")
+                raise
+            return await self._changed(self.commit())
+
+    async def update_from_disk(self, model_path: str, weight_version: str | int | None = None) -> str:
+        """Load a checkpoint folder (off the loop, while generation goes on), then copy it in."""
+        from miles_async.models import load_pretrained
+
+        self.check_newer(parse_version(weight_version, self.version)[0])  # before loading
+        dtype = next(self._model.parameters()).dtype
+        new_model = await compute.run(load_pretrained, model_path, dtype=dtype)
+        label = await self.update_from_tensors(new_model.state_dict(), weight_version)
+        self.model_path = str(model_path)
+        return label
+
+    async def begin_update(self, version: int, label: str | None = None) -> dict[str, torch.Tensor]:
+        """Start an update to `version` between steps; return the tensors to write (see `begin`)."""
+        async with self._lock:
+            return self.begin(version, label)
+
+    async def commit_update(self, expected_checksums: Mapping[str, str] | None = None) -> str:
+        """Verify (if checksums are given, on the compute thread) and make the update live; return the label."""
+        async with self._lock:
+            return await self._changed(await compute.run(self.commit, expected_checksums))
+
+    async def abort_update(self, reason: str) -> None:
+        async with self._lock:
+            self.abort(reason)
+
+    async def adopt_weights(self, named_tensors: NamedTensors, version: int,
+                            expected_checksums: Mapping[str, str] | None = None) -> int:
+        """The colocated handoff (transport.colocated): take the tensors as the weights, without a
+        copy where the dtype allows. Returns how many tensors were taken as they are. Needs a
+        double-buffered store for the no-copy path (otherwise every tensor is copied in place, paused).
+        """
+        items = list(as_items(named_tensors))
+        async with self._lock:
+            self.begin(version, adopting=True)
+            try:
+                taken = await compute.run(self.adopt, items)
+                await self._changed(await compute.run(self.commit, expected_checksums))
+            except BaseException as e:
+                self.abort(f"{type(e).__name__}: {e}")
+                raise
+            return taken
+
+    async def apply_delta(self, folder: str) -> str:
+        """Apply a disk delta (transport.disk_delta) written against this version; return the label.
+
+        The delta is decoded and checked in full before any weight is written, so it is applied
+        to the live weights directly, between steps.
+        """
+        from miles_async.transport.disk_delta import apply_delta
+
+        async with self._lock:
+            if (problem := self.serving_error()) is not None:
+                raise WeightsUnavailableError(f"a delta needs a complete base version: {problem}")
+            version = await compute.run(apply_delta, folder, self.live, self.version)
+            self.record_in_place(version)
+            return await self._changed(version)
+
+    async def relabel(self, label: str) -> str:
+        """Give the live weights a new label (SGLang's /update_weight_version); return the label.
+
+        An integer label is the version (not older than the engine's), a name keeps the version.
+        Tokens sampled from now on report it; the weights and the prefix cache are unchanged.
+        """
+        async with self._lock:
+            self._relabel(label)
+            return self.label
+
+    async def checksums(self) -> dict[str, str]:
+        """The live weights' checksums (transport.verify), between steps."""
+        async with self._lock:
+            return await compute.run(checksums, self.live)
+
+    async def random_fill(self, seed: int) -> None:
+        """Overwrite the live weights with seeded noise: the start of the random-fill verification check."""
+        async with self._lock:
+            await compute.run(self._random_fill, seed)
+            await self._changed(self.version)
+
+    async def _changed(self, version: int) -> str:
+        """The live weights changed (to `version`): tell the engine; return the label now served."""
+        if self._on_change is not None:
+            await self._on_change()
+        log.debug("weights now at version %s (%s)", version, self.label)
+        return self.label
 
     # ----- helpers -----
 
@@ -450,8 +592,8 @@ class GroupReceiver:
     double-buffered engine, if weights are missing).
     """
 
-    def __init__(self, engine: Engine, timeout_s: float = 300.0) -> None:
-        self.engine = engine
+    def __init__(self, store: WeightStore, timeout_s: float = 300.0) -> None:
+        self.store = store
         self.timeout_s = timeout_s
         self.groups: dict[str, WeightGroup] = {}
         self.in_session = False
@@ -464,9 +606,9 @@ class GroupReceiver:
             raise ValueError(f"weight update group {group_name!r} exists already; destroy it first")
         if not 0 < rank_offset < world_size:
             raise ValueError(f"rank_offset={rank_offset} must be in [1, world_size={world_size}): rank 0 is the pusher")
-        if backend == "nccl" and self.engine.device.type != "cuda":
+        if backend == "nccl" and self.store.device.type != "cuda":
             raise ValueError(f"backend 'nccl' moves GPU memory only and this engine's weights are on "
-                             f"{self.engine.device}: use backend 'gloo', or start the engine with device 'cuda'")
+                             f"{self.store.device}: use backend 'gloo', or start the engine with device 'cuda'")
         self.groups[group_name] = await asyncio.to_thread(
             WeightGroup.join, master_address, master_port, rank_offset, world_size, backend=backend,
             timeout_s=self.timeout_s, name=group_name, sglang=True)
@@ -483,9 +625,9 @@ class GroupReceiver:
     async def end_session(self) -> str:
         """Commit the session's update; return the label now served."""
         self.in_session = False
-        if self.engine.weights.updating is None:
-            return self.engine.weight_version  # nothing was sent
-        return await self.engine.commit_weight_update()
+        if self.store.updating is None:
+            return self.store.label  # nothing was sent
+        return await self.store.commit_update()
 
     async def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
                       weight_version: str | None) -> str | None:
@@ -497,25 +639,25 @@ class GroupReceiver:
             raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
         kinds = [_dtype(d) for d in dtypes]
         # NCCL receives on the engine's GPU; gloo on the host (`write` then copies to the engine's device)
-        device = self.engine.device if group.backend == "nccl" else torch.device("cpu")
+        device = self.store.device if group.backend == "nccl" else torch.device("cpu")
         # Receive first, whatever the names say: the pusher is blocked in its broadcasts until then.
         tensors = await asyncio.to_thread(self._receive, group, kinds, shapes, device)
-        store = self.engine.weights
+        store = self.store
         version, label = parse_version(weight_version, store.version)
         items = list(zip(names, tensors))
         try:
             store.check(items)  # before begin() tears anything
             if store.updating is None:
-                await self.engine.begin_weight_update(version, label)
+                await store.begin_update(version, label)
             elif weight_version is not None and version != store.updating:
                 store.retarget(version, label)
             await compute.run(store.write, items)
         except BaseException as e:  # a bad bucket ends the update: the pusher starts over
-            await self.engine.abort_weight_update(f"{type(e).__name__}: {e}")
+            await store.abort_update(f"{type(e).__name__}: {e}")
             raise
         if self.in_session or store.num_missing:
             return None
-        return await self.engine.commit_weight_update()
+        return await store.commit_update()
 
     @staticmethod
     def _receive(group: WeightGroup, kinds: list[torch.dtype], shapes: list[list[int]],

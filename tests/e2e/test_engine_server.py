@@ -382,8 +382,8 @@ def test_torn_weights_fail_health_and_requests_and_older_versions_are_refused(mo
             with pytest.raises(EngineHTTPError) as older:
                 await client.update_weights_from_disk(str(model_dir), weight_version="4")
             healthy = await client.health()
-            await engine.begin_weight_update(6)
-            await engine.abort_weight_update("the pusher died")  # single buffer: torn
+            await engine.weights.begin_update(6)
+            await engine.weights.abort_update("the pusher died")  # single buffer: torn
             torn_health = await client.health()
             async with aiohttp.ClientSession() as http, http.get(f"{server.url}/health") as r:
                 health_status, health_body = r.status, await r.json()

@@ -103,7 +103,7 @@ def test_every_tensor_of_a_step_is_on_the_gpu_and_seeded_sampling_repeats(model_
     _, _, second = run(scenario(recorded=False))
     assert recorder.calls and {torch.device(d) if d is not None else None for _, d in recorder.calls} == {engine.device}
     assert {t.device for t in engine_tensors(engine).values()} == {engine.device}
-    assert engine._shared_generator.device == engine.device
+    assert engine.runner.shared_generator.device == engine.device
     seeded = [i for i, r in enumerate(mixed_workload(engine.vocab_size, moe=True))
               if r.sampling_params.sampling_seed is not None]
     assert seeded and all(first[i]["output_ids"] == second[i]["output_ids"] for i in seeded)
@@ -118,9 +118,9 @@ def test_host_weights_copy_into_the_gpu_weights(model_dirs, double_buffer):
     async def scenario():
         engine = Engine.from_pretrained(str(model_dirs["dense"]), config=small("cuda", double_buffer=double_buffer))
         async with engine:
-            label = await engine.update_weights_from_tensors(new_state, weight_version="3")
+            label = await engine.weights.update_from_tensors(new_state, weight_version="3")
             out = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=GREEDY, return_logprob=True))
-            sums = await engine.weight_checksums()
+            sums = await engine.weights.checksums()
         return engine, label, out, sums
 
     engine, label, out, sums = run(scenario())
@@ -145,7 +145,7 @@ def test_a_gloo_broadcast_lands_in_the_gpu_weights(model_dirs):
 
     async def scenario():
         engine = Engine.from_pretrained(str(model_dirs["dense"]), config=small("cuda", double_buffer=True))
-        receiver = GroupReceiver(engine, timeout_s=60)
+        receiver = GroupReceiver(engine.weights, timeout_s=60)
         async with engine:
             store = WeightGroup.open_store("127.0.0.1", 2, 60.0)
             _, group = await asyncio.gather(

@@ -85,7 +85,7 @@ def engine_tensors(engine: Engine) -> dict[str, torch.Tensor]:
         tensors[f"k_blocks[{i}]"], tensors[f"v_blocks[{i}]"] = k, v
     if engine.cache.expert_slots_TLk is not None:
         tensors["expert_slots_TLk"] = engine.cache.expert_slots_TLk
-    for i, buffer in enumerate(engine._workspace._buffers):
+    for i, buffer in enumerate(engine.runner.workspace._buffers):
         if buffer is not None:
             tensors[f"gather buffer {i}"] = buffer
     return tensors

@@ -162,7 +162,7 @@ def test_without_a_compiler_the_kernels_say_why_and_the_engine_runs_plain_torch(
         "print(cpu_kernels.unavailable_reason())\n"
         f"engine = Engine.from_pretrained(str(init_model('qwen3', 'tiny', {str(tmp_path / 'm')!r}, seed=0)),\n"
         "                                config=EngineConfig(kv_cache_mib=8))\n"
-        "assert not engine._fused\n"
+        "assert not engine.runner.fused\n"
         "async def main():\n"
         "    async with engine:\n"
         "        out = await engine.generate(GenerateRequest(input_ids=[5, 6, 7], sampling_params=SamplingParams(\n"

@@ -254,12 +254,12 @@ def test_weight_update_from_tensors_checks_names_and_shapes_then_bumps_the_versi
         async with engine:
             before = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=params))
             with pytest.raises(ValueError, match="not in the model"):
-                await engine.update_weights_from_tensors({"model.nope.weight": torch.zeros(1)})
+                await engine.weights.update_from_tensors({"model.nope.weight": torch.zeros(1)})
             name = "model.norm.weight"
             with pytest.raises(ValueError, match="shape"):
-                await engine.update_weights_from_tensors([(name, torch.zeros(3))])
+                await engine.weights.update_from_tensors([(name, torch.zeros(3))])
             assert engine.weight_version == "0"
-            version = await engine.update_weights_from_tensors(other.state_dict())
+            version = await engine.weights.update_from_tensors(other.state_dict())
             after = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=params))
             return before, version, after
 
@@ -411,11 +411,11 @@ def test_a_relabelled_version_starts_a_span_of_its_own(dense_dir):
     async def scenario():
         async with engine:
             first = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=params))
-            assert await engine.update_weight_version("step-1") == "step-1"  # a name: the version stays 0
+            assert await engine.weights.relabel("step-1") == "step-1"  # a name: the version stays 0
             named = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=params))
-            assert await engine.update_weight_version("4") == "4"
+            assert await engine.weights.relabel("4") == "4"
             with pytest.raises(ValueError, match="older"):
-                await engine.update_weight_version("3")
+                await engine.weights.relabel("3")
             numbered = await engine.generate(GenerateRequest(input_ids=prompt, sampling_params=params))
             return first, named, numbered
 

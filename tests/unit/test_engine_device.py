@@ -149,10 +149,10 @@ def test_every_tensor_a_step_makes_is_made_on_the_engines_device(model_dirs, fus
         assert {torch.device(device) for _, device in recorder.calls} == {engine.device}
         placed = {name: t.device for name, t in engine_tensors(engine).items()}
         # the fused kernel reads the blocks in place: no gather buffer
-        assert ("gather buffer 0" in placed) == (not engine._fused)
+        assert ("gather buffer 0" in placed) == (not engine.runner.fused)
         assert ("expert_slots_TLk" in placed) == (family == "qwen3_moe")
         assert set(placed.values()) == {engine.device}, placed
-        assert engine._shared_generator.device == engine.device
+        assert engine.runner.shared_generator.device == engine.device
         assert (engine.stats().num_draft_tokens > 0) == bool(speculative)
 
 

@@ -46,7 +46,7 @@ def test_released_memory_leaves_the_process_and_comes_back_on_resume(folder) -> 
             resumed = rss_mib()
             with pytest.raises(WeightsUnavailableError, match="push a complete version"):
                 engine.submit(request)  # zeros are not served
-            await engine.update_weights_from_disk(str(folder), weight_version=1)
+            await engine.weights.update_from_disk(str(folder), weight_version=1)
             after = (await engine.generate(request)).output_ids
             return before, after, weights_mib, held, released, resumed, resume_s
 

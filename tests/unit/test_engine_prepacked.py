@@ -68,8 +68,8 @@ def test_fast_engine_generates_what_the_plain_engine_does(folder: Path, dtype: s
     # Prepacking needs oneDNN's kernels for the dtype on this CPU (bf16: AVX512-BF16 or AMX); where
     # they are missing the engine keeps the plain linears, and the fused kernels are still compared.
     prepacks = onednn.supported(getattr(torch, dtype), torch.device("cpu"))
-    assert fast._prepack == prepacks and not plain._prepack and not plain._fused
-    assert fast._fused == cpu_kernels.supports(getattr(torch, dtype), torch.device("cpu"))
+    assert fast.runner.prepack == prepacks and not plain.runner.prepack and not plain.runner.fused
+    assert fast.runner.fused == cpu_kernels.supports(getattr(torch, dtype), torch.device("cpu"))
     packed = [m.qkv_prepacked for m in fast.model.modules() if isinstance(m, Attention)]
     packed += [m.gate_up_prepacked for m in fast.model.modules() if isinstance(m, MLP)]
     packed += [m.prepacked for name, m in fast.model.named_modules()
@@ -102,7 +102,7 @@ def test_prepacked_copies_follow_a_weight_update(folder: Path, tmp_path: Path) -
             request = GenerateRequest(input_ids=prompt, return_logprob=True, sampling_params=SamplingParams(
                 temperature=0.0, max_new_tokens=16, ignore_eos=True))
             before = await fast.generate(request)
-            await fast.update_weights_from_tensors(load_pretrained(other).state_dict(), weight_version=1)
+            await fast.weights.update_from_tensors(load_pretrained(other).state_dict(), weight_version=1)
             return before, await fast.generate(request)
 
     def trace(out: object) -> tuple[list[int], torch.Tensor]:
@@ -118,7 +118,7 @@ def test_prepacked_copies_follow_a_weight_update(folder: Path, tmp_path: Path) -
 def test_batch_invariant_engines_take_neither_fast_path(folder: Path) -> None:
     config = EngineConfig(kv_cache_mib=8, batch_invariant=True)
     batch_invariant = Engine.from_pretrained(str(folder), config=config)
-    assert not batch_invariant._prepack and not batch_invariant._fused
+    assert not batch_invariant.runner.prepack and not batch_invariant.runner.fused
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

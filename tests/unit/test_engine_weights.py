@@ -61,12 +61,12 @@ def test_older_versions_are_rejected_on_every_path(dirs, double_buffer, tmp_path
 
     async def scenario():
         async with engine:
-            assert await engine.update_weights_from_tensors(other, "5") == "5"
-            for call in (lambda: engine.update_weights_from_tensors(other, 4),
-                         lambda: engine.update_weights_from_tensors(other, "5"),
-                         lambda: engine.update_weights_from_disk(str(dirs[0]), "3"),
-                         lambda: engine.begin_weight_update(2),
-                         lambda: engine.adopt_weights(other, 5)):
+            assert await engine.weights.update_from_tensors(other, "5") == "5"
+            for call in (lambda: engine.weights.update_from_tensors(other, 4),
+                         lambda: engine.weights.update_from_tensors(other, "5"),
+                         lambda: engine.weights.update_from_disk(str(dirs[0]), "3"),
+                         lambda: engine.weights.begin_update(2),
+                         lambda: engine.weights.adopt_weights(other, 5)):
                 with pytest.raises(StaleVersionError, match="not newer than the engine's 5"):
                     await call()
             assert engine.weights.updating is None and engine.weights.serving_error() is None
@@ -82,18 +82,18 @@ def test_double_buffer_keeps_serving_the_previous_version_when_an_update_is_aban
     async def scenario():
         async with engine:
             before = await greedy(engine)
-            target = await engine.begin_weight_update(1)
+            target = await engine.weights.begin_update(1)
             assert all(target[n].data_ptr() != p.data_ptr() for n, p in engine.model.named_parameters())
             half = dict(list(other.items())[: len(other) // 2])
             engine.weights.write(half)
             during = await greedy(engine)  # generation goes on from the live buffer meanwhile
             with pytest.raises(TransportError, match="missing"):
-                await engine.commit_weight_update()
+                await engine.weights.commit_update()
             after_abort = await greedy(engine)
             assert engine.weight_version == "0" and engine.weights.serving_error() is None
-            await engine.begin_weight_update(1)
+            await engine.weights.begin_update(1)
             engine.weights.write(other)
-            assert await engine.commit_weight_update(checksums(other)) == "1"
+            assert await engine.weights.commit_update(checksums(other)) == "1"
             return before, during, after_abort, await greedy(engine)
 
     before, during, after_abort, updated = run(scenario())
@@ -106,16 +106,16 @@ def test_single_buffer_refuses_to_serve_torn_weights_until_a_complete_version_co
 
     async def scenario():
         async with engine:
-            await engine.begin_weight_update(3)
+            await engine.weights.begin_update(3)
             engine.weights.write(dict(list(other.items())[:3]))
-            await engine.abort_weight_update("the pusher died")
+            await engine.weights.abort_update("the pusher died")
             problem = engine.stats().weights_error
             assert problem is not None and "version 3 did not complete (the pusher died)" in problem
             with pytest.raises(WeightsUnavailableError, match="torn"):
                 engine.submit(GenerateRequest(input_ids=PROMPT, sampling_params=GREEDY))
-            await engine.begin_weight_update(4)
+            await engine.weights.begin_update(4)
             engine.weights.write(other)
-            await engine.commit_weight_update()
+            await engine.weights.commit_update()
             assert engine.stats().weights_error is None and engine.weight_version == "4"
             return await greedy(engine)
 
@@ -137,10 +137,10 @@ def test_commit_verifies_checksums_and_names_the_tensor_that_differs(dirs):
 
     async def scenario():
         async with engine:
-            await engine.begin_weight_update(1)
+            await engine.weights.begin_update(1)
             engine.weights.write(wrong)
             with pytest.raises(TransportError, match=r"verification failed: 1 tensor\(s\).*model.norm.weight"):
-                await engine.commit_weight_update(expected)
+                await engine.weights.commit_update(expected)
             assert engine.weight_version == "0" and engine.weights.serving_error() is None
 
     run(scenario())
@@ -149,7 +149,7 @@ def test_commit_verifies_checksums_and_names_the_tensor_that_differs(dirs):
 def test_colocated_handoff_takes_matching_tensors_without_a_copy(dirs):
     engine = engine_for(dirs[0], double_buffer=True)
     other = new_weights(dirs[1])
-    colocated.register("engine-0", engine)
+    colocated.register("engine-0", engine.weights)
 
     async def scenario():
         async with engine:
@@ -174,8 +174,8 @@ def test_colocated_handoff_casts_when_the_engine_dtype_differs(dirs):
 
     async def scenario():
         async with engine:
-            taken = await engine.adopt_weights(other, 1)
-            return taken, await engine.weight_checksums()
+            taken = await engine.weights.adopt_weights(other, 1)
+            return taken, await engine.weights.checksums()
 
     taken, sums = run(scenario())
     assert taken == 0 and sums == checksums({n: t.to(torch.bfloat16) for n, t in other.items()
@@ -211,17 +211,17 @@ def test_shared_weights_written_by_another_process(dirs, double_buffer):
     async def scenario():
         async with engine:
             before = await greedy(engine)
-            await engine.begin_weight_update(1)
+            await engine.weights.begin_update(1)
             assert await asyncio.to_thread(writer, True) == 3
             with pytest.raises(TransportError, match="did not finish"):
-                await engine.commit_weight_update()
+                await engine.weights.commit_update()
             if double_buffer:
                 assert await greedy(engine) == before and engine.weights.serving_error() is None
             else:
                 assert "did not complete" in engine.weights.serving_error()
-            await engine.begin_weight_update(2)
+            await engine.weights.begin_update(2)
             assert await asyncio.to_thread(writer, False) == 0
-            await engine.commit_weight_update()
+            await engine.weights.commit_update()
             return before, await greedy(engine)
 
     reference = engine_for(dirs[1])
@@ -256,10 +256,10 @@ def test_disk_delta_applies_against_the_engines_version(dirs, tmp_path):
     async def scenario():
         async with engine:
             stats = write_delta(tmp_path, base, new, 0, 1)
-            assert await engine.apply_weight_delta(str(stats.folder)) == "1"
+            assert await engine.weights.apply_delta(str(stats.folder)) == "1"
             with pytest.raises(TransportError):
-                await engine.apply_weight_delta(str(stats.folder))  # now at 1: a 0 -> 1 delta does not fit
-            return await engine.weight_checksums()
+                await engine.weights.apply_delta(str(stats.folder))  # now at 1: a 0 -> 1 delta does not fit
+            return await engine.weights.checksums()
 
     assert run(scenario()) == checksums(new)
 
@@ -301,7 +301,7 @@ def test_a_request_spanning_an_update_reports_every_version_it_was_sampled_under
             state = engine.submit(GenerateRequest(input_ids=PROMPT, sampling_params=long))
             while len(state.output_ids) < 3:
                 await asyncio.sleep(0.001)
-            await engine.update_weights_from_tensors(other, 1)
+            await engine.weights.update_from_tensors(other, 1)
             boundary = len(state.output_ids)  # the update landed between steps: the next token is version 1's
             await state.done.wait()
             return engine.snapshot(state), boundary

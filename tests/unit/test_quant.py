@@ -281,8 +281,8 @@ def test_a_quantized_engine_quantizes_full_precision_weights_on_arrival(tmp_path
 
     async def update() -> dict[str, str]:
         async with engine:
-            await engine.update_weights_from_tensors(other, 1)
-            return await engine.weight_checksums()
+            await engine.weights.update_from_tensors(other, 1)
+            return await engine.weights.checksums()
 
     got = asyncio.run(asyncio.wait_for(update(), 60))
     from miles_async.transport.verify import checksums

@@ -165,7 +165,7 @@ def test_retraction_and_weight_updates_keep_greedy_outputs(drafted: Path, tmp_pa
         async with engine:
             first = await asyncio.gather(*(engine.generate(r) for r in requests))
             retractions = engine.stats().num_retractions
-            await engine.update_weights_from_disk(str(other))
+            await engine.weights.update_from_disk(str(other))
             second = await asyncio.gather(*(engine.generate(r) for r in requests))
             return ([o.output_ids for o in first], [o.output_ids for o in second], retractions,
                     engine.stats().num_accepted_drafts)

@@ -150,8 +150,8 @@ def test_with_lora_adapters_the_engine_and_trainer_still_agree_bit_for_bit(model
         all_prompts = prompts(engine.vocab_size)
 
         async def push_and_generate():
-            label = await engine.update_weights_from_tensors(pushed, weight_version=1)
-            assert label == "1" and await engine.weight_checksums() == checksums(pushed)  # the adapters, exactly
+            label = await engine.weights.update_from_tensors(pushed, weight_version=1)
+            assert label == "1" and await engine.weights.checksums() == checksums(pushed)  # the adapters, exactly
             return await generate_all(engine, all_prompts)
 
         results = asyncio.run(asyncio.wait_for(push_and_generate(), TIMEOUT_S))
