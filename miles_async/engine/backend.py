@@ -9,7 +9,8 @@
 Token ids in; output ids, the log-prob of every sampled token, the finish reason, the weight
 version of every output token (spans) and, for an MoE model, the routed experts out, as one
 `EngineOutput` whatever the engine. `connect(kind, url)` makes the client of a running server;
-which kind a run uses is `[rollout] backend`.
+which kind a run uses is `[rollout] backend`. `GenerateParams` and `PauseMode` are defined in
+engine/client.py, beside `EngineOutput`, so that engine/vllm.py needs nothing from here.
 
 Weight updates are not here: they go through the engine's actor (`actors/engine.py` for the
 embedded engine, `actors/external.py` for a server of another project), which owns the server
@@ -24,44 +25,19 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
-import msgspec
-
-from miles_async.engine.client import EngineClient, EngineHTTPError, EngineOutput, parse_output
+from miles_async.engine.client import (
+    EngineClient,
+    EngineHTTPError,
+    EngineOutput,
+    GenerateParams,
+    PauseMode,
+    check_score_start,
+    parse_output,
+)
 
 BACKENDS = ("embedded", "sglang", "vllm")
 ADAPTER_NAME = "policy-lora"  # the LoRA adapter an external engine serves the trainer's adapters as
 Backend = Literal["embedded", "sglang", "vllm"]
-PauseMode = Literal["abort", "retract", "in_place", "wait"]
-
-
-class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
-    """What one generation asks of an engine, in its user's terms (SGLang's names)."""
-
-    max_new_tokens: int = 128  # SGLang's default
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: tuple[str, ...] = ()  # strings that end the generation (trimmed from the text)
-    seed: int | None = None  # a sampling seed of its own (the engine's shared generator otherwise)
-    return_routed_experts: bool = False  # MoE: the experts every token was routed to (R3)
-
-    @classmethod
-    def from_sglang(cls, sampling_params: Mapping[str, Any], *, return_routed_experts: bool = False) -> GenerateParams:
-        """From SGLang's `sampling_params` (the keys this struct has; `sampling_seed` is `seed`)."""
-        fields = {k: v for k, v in sampling_params.items() if k in ("max_new_tokens", "temperature", "top_p", "top_k")}
-        stop = sampling_params.get("stop") or ()
-        return cls(**fields, stop=(stop,) if isinstance(stop, str) else tuple(stop),
-                   seed=sampling_params.get("sampling_seed"), return_routed_experts=return_routed_experts)
-
-    def sglang(self) -> dict[str, Any]:
-        """SGLang's `sampling_params`."""
-        params: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                                  "top_p": self.top_p, "top_k": self.top_k}
-        if self.stop:
-            params["stop"] = list(self.stop)
-        if self.seed is not None:
-            params["sampling_seed"] = self.seed
-        return params
 
 
 @runtime_checkable
@@ -247,12 +223,6 @@ def _succeeded(reply: Any, path: str) -> None:
     the client raises already): raise that too."""
     if isinstance(reply, dict) and reply.get("success") is False:
         raise EngineHTTPError(400, str(reply.get("message")), path)
-
-
-def check_score_start(input_ids: list[int], start: int) -> None:
-    if not 1 <= start < len(input_ids):
-        raise ValueError(f"score: start must be in [1, {len(input_ids)}) for {len(input_ids)} tokens (the first "
-                         f"token has nothing before it), got {start}")
 
 
 def connect(kind: Backend, url: str, *, api_key: str | None = None, timeout_s: float = 600.0,

@@ -9,7 +9,9 @@
 Every call has a timeout; an HTTP error status raises `EngineHTTPError` carrying the server's
 message. Responses are SGLang's JSON, returned as dicts (see miles_async.engine.server);
 `parse_output` reads one into an `EngineOutput`, the one form the rollout side consumes (the
-embedded engine's actor answers `Generate` with it directly).
+embedded engine's actor answers `Generate` with it directly). `GenerateParams`, `PauseMode` and
+`check_score_start` are the request side every backend shares (engine/backend.py, engine/vllm.py
+and engine/router.py import them from here, so no backend imports another).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import base64
 import json
 import sys
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 import msgspec
@@ -32,6 +34,8 @@ from miles_async.trajectory import VersionSpan
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+# How a weight update pauses generation (EngineBackend.pause).
+PauseMode = Literal["abort", "retract", "in_place", "wait"]
 # One SSE line holds the cumulative output so far; aiohttp reads lines up to twice this.
 READ_BUFFER_BYTES = 4 * 2**20
 
@@ -44,6 +48,36 @@ class EngineHTTPError(RuntimeError):
         self.status = status
         self.message = message
         self.path = path
+
+
+class GenerateParams(msgspec.Struct, frozen=True, kw_only=True):
+    """What one generation asks of an engine, in its user's terms (SGLang's names)."""
+
+    max_new_tokens: int = 128  # SGLang's default
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()  # strings that end the generation (trimmed from the text)
+    seed: int | None = None  # a sampling seed of its own (the engine's shared generator otherwise)
+    return_routed_experts: bool = False  # MoE: the experts every token was routed to (R3)
+
+    @classmethod
+    def from_sglang(cls, sampling_params: Mapping[str, Any], *, return_routed_experts: bool = False) -> GenerateParams:
+        """From SGLang's `sampling_params` (the keys this struct has; `sampling_seed` is `seed`)."""
+        fields = {k: v for k, v in sampling_params.items() if k in ("max_new_tokens", "temperature", "top_p", "top_k")}
+        stop = sampling_params.get("stop") or ()
+        return cls(**fields, stop=(stop,) if isinstance(stop, str) else tuple(stop),
+                   seed=sampling_params.get("sampling_seed"), return_routed_experts=return_routed_experts)
+
+    def sglang(self) -> dict[str, Any]:
+        """SGLang's `sampling_params`."""
+        params: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                                  "top_p": self.top_p, "top_k": self.top_k}
+        if self.stop:
+            params["stop"] = list(self.stop)
+        if self.seed is not None:
+            params["sampling_seed"] = self.seed
+        return params
 
 
 class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):
@@ -101,6 +135,12 @@ def parse_output(out: dict[str, Any], *, version: int) -> EngineOutput:
                         spec_verify_ct=int(meta.get("spec_verify_ct", 0)),
                         spec_draft_tokens=int(meta.get("spec_num_proposed_drafts", 0)),
                         spec_accepted_drafts=int(meta.get("spec_num_correct_drafts", 0)))
+
+
+def check_score_start(input_ids: list[int], start: int) -> None:
+    if not 1 <= start < len(input_ids):
+        raise ValueError(f"score: start must be in [1, {len(input_ids)}) for {len(input_ids)} tokens (the first "
+                         f"token has nothing before it), got {start}")
 
 
 def bearer(api_key: str | None) -> dict[str, str] | None:

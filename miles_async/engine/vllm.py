@@ -41,8 +41,15 @@ from typing import Any
 
 import aiohttp
 
-from miles_async.engine.backend import GenerateParams, PauseMode, check_score_start
-from miles_async.engine.client import EngineHTTPError, EngineOutput, bearer, error_message
+from miles_async.engine.client import (
+    EngineHTTPError,
+    EngineOutput,
+    GenerateParams,
+    PauseMode,
+    bearer,
+    check_score_start,
+    error_message,
+)
 from miles_async.engine.process import ServerProcess
 from miles_async.trajectory import VersionSpan
 
