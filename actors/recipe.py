@@ -7,7 +7,7 @@
     [agent]      actors.rollout.AgentConfig: multi-turn, the agent coroutine and its environment
     [sft]        actors.warmstart.WarmStartConfig: the warm start before RL
     [rollout]    actors.rollout.RolloutConfig: engines, workers, sampling, partial rollouts,
-                 [rollout.engine] (engine.core.EngineConfig), [rollout.sampling], [rollout.restart]
+                 [rollout.engine] (engine.config.EngineConfig), [rollout.sampling], [rollout.restart]
                  (actors.rollout.EngineRestartConfig: an engine process that dies is started
                  again, at most max_restarts = 3 times per engine within within_s = 600 s, after
                  backoff_s = 1 s doubling per recent restart up to max_backoff_s = 30 s; past
@@ -18,10 +18,10 @@
     [loop]       LoopConfig: mode (sync | one_step_off | async), staleness, steps, batch, checkpoints, seed
     [trainer]    trainer.config.TrainerConfig: optimizer, loss, dtype, batch-invariant mode, ranks
     [weights]    actors.weights.WeightSyncConfig: transport, buckets, verification
-    [eval]       actors.evaluation.EvalConfig: none | shared | dedicated | command, every N steps
+    [eval]       actors.eval_config.EvalConfig: none | shared | dedicated | command, every N steps
     [teacher]    actors.teacher.TeacherConfig: on-policy distillation's teacher (model, backend, bound);
                  its signal's weight is trainer.policy_loss.distill_coef
-    [placement]  actors.fleet.PlacementConfig: multi-node runs, the node of each role
+    [placement]  actors.placement.PlacementConfig: multi-node runs, the node of each role
     [observe]    observe.ObserveConfig: wandb, TensorBoard, decoded samples per step (log_samples)
 
 Every default is written once, in the component's struct. A few fields of those structs are set
@@ -58,8 +58,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from miles_async.actors.evaluation import EvalConfig
-from miles_async.actors.fleet import PlacementConfig
+from miles_async.actors.eval_config import EvalConfig
+from miles_async.actors.placement import PlacementConfig
 from miles_async.actors.rollout import AgentConfig, RolloutConfig
 from miles_async.actors.teacher import TeacherConfig
 from miles_async.actors.warmstart import WarmStartConfig

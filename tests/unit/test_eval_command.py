@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_async.actors.evaluation import EvalConfig, _score_line, read_lm_eval_results, run_shell
+from miles_async.actors.eval_config import EvalConfig
+from miles_async.actors.evaluation import _score_line, read_lm_eval_results, run_shell
 
 TIMEOUT_S = 30
 
