@@ -16,15 +16,16 @@ Who consumes, produces and waits for what:
 - `RolloutWorker`s consume requests; produce scored `Trajectory` records, their token arrays put
   into the data plane of the worker's process (this one); wait for their engine.
 - `Buffer` consumes complete groups; produces batches; a full buffer keeps the scheduler's put
-  waiting, and an empty one keeps the controller's `GetBatch` waiting. It frees what it drops.
+  waiting, and an empty one keeps the controller's `GetBatch` waiting. It owns the groups' arrays
+  from their put and frees them: those it drops, and a batch once its step is trained.
 - The controller (this file), per step: waits for a batch (`wait_data_s`), has the trainer ranks
   train it (`train_s`: `TrainerGroup.train` plans the step and sends each rank only its share, as
-  references; each rank reads its share's arrays from the data plane), frees the batch's arrays,
-  exports the new weights and has the pusher move them into the engines (`update_s`, overlapping
-  the next step), then tells the scheduler (the trained prompts leave the admission count;
-  engines hold a new version). Generation runs on meanwhile: that overlap is the fully
-  asynchronous mode. `loop.mode = "sync"` (staleness 0) makes the same loop lockstep;
-  "one_step_off" is 1.
+  references; each rank reads its share's arrays from the data plane), hands the batch back to the
+  buffer (`ReleaseBatch`: the buffer owns the arrays and frees them), exports the new weights and
+  has the pusher move them into the engines (`update_s`, overlapping the next step), then tells
+  the scheduler (the trained prompts leave the admission count; engines hold a new version).
+  Generation runs on meanwhile: that overlap is the fully asynchronous mode. `loop.mode =
+  "sync"` (staleness 0) makes the same loop lockstep; "one_step_off" is 1.
 
 The rest lives beside it: the pre-flight (`preflight.py`: the model, its tokenizer, the task and
 its items, checked and built before the run folder is written), starting and placing the
@@ -44,13 +45,13 @@ child process; `resume=True` continues from the latest checkpoint.
 Checkpoints (`loop.checkpoint_every`, `checkpoint_every_s`, `keep_checkpoints`): between two steps
 the trainer copies its state and writes it in the background while the next step trains, so a
 periodic checkpoint holds the loop up only for the copy (`checkpoint_s` in the next step's
-metrics row). Each holds the run's own state beside the trainer's (`run_state.json`): the RL
-step, the first prompt never admitted, the prompts admitted and not yet trained (generated
-again after a resume, so no prompt is trained twice nor skipped), and how long metrics.jsonl,
-trace.jsonl and samples.jsonl were. A resume cuts them back to that length (the lines cut go to
-`*.rolled_back.jsonl`), so each step appears once in them however many times the run restarted.
-A run that stops cleanly for any reason while its trainer lives (the end, Ctrl-C, a fatal error
-elsewhere) saves one more, after the last step it recorded.
+metrics row). Each holds the run's own state beside the trainer's (`run_state.json`, the
+`RunState` of run_state.py): the RL step, the first prompt never admitted, the prompts admitted
+and not yet trained (generated again after a resume, so no prompt is trained twice nor skipped),
+and how long metrics.jsonl, trace.jsonl and samples.jsonl were. A resume cuts them back to that
+length (the lines cut go to `*.rolled_back.jsonl`), so each step appears once in them however
+many times the run restarted. A run that stops cleanly for any reason while its trainer lives
+(the end, Ctrl-C, a fatal error elsewhere) saves one more, after the last step it recorded.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ from typing import Any
 
 import msgspec
 
-from miles_async.actors.buffer import Batch, BufferState, BufferStats, GetBatch
+from miles_async.actors.buffer import Batch, BufferState, BufferStats, GetBatch, ReleaseBatch
 from miles_async.actors.engine import ReleaseMemory, ResumeMemory
 from miles_async.actors.evaluation import Evaluator, as_hf_folder
 from miles_async.actors.fleet import (
@@ -88,13 +89,13 @@ from miles_async.actors.fleet import (
 from miles_async.actors.liveness import Liveness
 from miles_async.actors.preflight import Checked, check_run
 from miles_async.actors.recipe import RunConfig, dump_recipe
+from miles_async.actors.run_state import RUN_STATE_FILE, RunState, roll_back_logs
 from miles_async.actors.scheduler import GetSchedulerState, TrainerStepped, WeightVersionChanged
 from miles_async.actors.teacher import GetTeacherStats
 from miles_async.actors.trainer import ExportWeights, LoadCheckpoint, SaveCheckpoint, WeightManifest
 from miles_async.actors.warmstart import warm_start
 from miles_async.actors.weights import PushWeights
 from miles_async.observe import (
-    SAMPLES_FILE,
     TRACE_SCHEMA,
     MetricsLog,
     Progress,
@@ -106,13 +107,13 @@ from miles_async.observe import (
     TrackerError,
     UpdateTrace,
     open_trackers,
-    roll_back,
 )
+from miles_async.observe.names import RLRow
 from miles_async.observe.samples import decode, pick
 from miles_async.runtime import ActorDeadError, ActorRef, ActorSystem, RemoteError, RuntimeConfig
 from miles_async.trainer import checkpoint
 from miles_async.trainer.step import StepMetrics
-from miles_async.trajectory import TokenData, Trajectory, blobs, decode_data
+from miles_async.trajectory import TokenData, Trajectory, decode_data
 
 __all__ = ["Controller", "EnginesLostError", "LocalSpawner", "Node", "RunLostError", "RunResult", "RunSetupError",
            "TrainerLostError", "run", "run_restarting"]
@@ -235,7 +236,7 @@ class Controller:
         self.prompt_tokens_sent = 0
         self.cached_tokens = 0
         self.folder = self._prepare_folder()
-        self.resume_point = self._roll_back_logs() if resume else None
+        self.resume_point = roll_back_logs(self.run_dir) if resume else None
         self.last_checkpoint = (0, time.monotonic())  # (RL step, when) of the latest checkpoint
         self.checkpoint_s = 0.0  # the last checkpoint's time in the loop's way, for the next row
         self.resume_s = 0.0  # loop.offload_engines: taking the engines' memory back before the last push
@@ -268,24 +269,6 @@ class Controller:
     def _now(self) -> float:
         return time.time() - self.start_time
 
-    def _roll_back_logs(self) -> tuple[Path, dict[str, Any]] | None:
-        """On resume: the latest checkpoint and its run state (None: there is none), with
-        metrics.jsonl and trace.jsonl cut back to their length at that checkpoint (to nothing
-        without one: the run starts over)."""
-        latest = checkpoint.latest(self.run_dir / "checkpoints")
-        state: dict[str, Any] = {}
-        if latest is not None:
-            state = json.loads((latest / "run_state.json").read_text())
-        moved = 0
-        for name, key in (("metrics.jsonl", "metrics_bytes"), ("trace.jsonl", "trace_bytes"),
-                          (SAMPLES_FILE, "samples_bytes")):
-            if latest is None or key in state:  # (checkpoints from before these keys: left as they are)
-                moved += roll_back(self.run_dir / name, state.get(key, 0))
-        if moved:
-            log.info("resuming: the steps after %s were cut from metrics.jsonl, trace.jsonl and samples.jsonl "
-                     "(kept in *.rolled_back.jsonl); they run again", latest.name if latest else "the start")
-        return None if latest is None else (latest, state)
-
     async def _open_trackers(self) -> None:
         """The trackers `[observe]` asks for (wandb, TensorBoard), fed every metrics row from here on."""
         observe = self.config.observe
@@ -293,7 +276,7 @@ class Controller:
             return
         self.progress.status("opening " + " and ".join(n for n, on in (("wandb", observe.wandb),
                                                                         ("TensorBoard", observe.tensorboard)) if on))
-        resume_step = None if not self.resume else (self.resume_point[1]["rl_step"] if self.resume_point else 0)
+        resume_step = None if not self.resume else (self.resume_point[1].rl_step if self.resume_point else 0)
         recipe = json.loads((self.run_dir / "config.json").read_text())  # as resolved (the model's commit)
         try:  # off the loop: wandb.init takes a second or more
             trackers = await asyncio.to_thread(open_trackers, observe, self.run_dir, recipe=recipe,
@@ -385,17 +368,16 @@ class Controller:
         assert trainer is not None
         if self.resume_point is not None:
             latest, state = self.resume_point
-            self.progress.status(f"resuming from {latest.name} (RL step {state['rl_step']})")
+            self.progress.status(f"resuming from {latest.name} (RL step {state.rl_step})")
             info = await trainer.ask(LoadCheckpoint(path=str(latest)), ASK_S)
             self.version = info.weight_version
             self.resumed_from = str(latest)
-            self.step = state["rl_step"]
+            self.step = state.rl_step
             self.last_checkpoint = (self.step, time.monotonic())
             await self._push()
-            log.info("resumed from %s: RL step %d, weight version %d", latest, state["rl_step"], self.version)
-            self.retry_prompts = state.get("unfinished", [])
-            # (checkpoints from before next_new_prompt held the lowest prompt not trained, "next_prompt")
-            return state["rl_step"], state.get("next_new_prompt", state.get("next_prompt", 0)), 0, None
+            log.info("resumed from %s: RL step %d, weight version %d", latest, state.rl_step, self.version)
+            self.retry_prompts = list(state.unfinished)
+            return state.rl_step, state.first_prompt, 0, None
         if self.resume:
             log.info("no checkpoint under %s: starting over", self.run_dir / "checkpoints")
         assert self.system is not None
@@ -496,6 +478,14 @@ class Controller:
                                   issued=time.perf_counter(), offload_s=offload_s)
         return self.launched
 
+    async def _release(self, batch: Batch) -> None:
+        """A batch is trained (or its step failed): the buffer, which owns its arrays, frees them."""
+        assert self.fleet.buffer is not None
+        try:
+            await self.fleet.buffer.tell(ReleaseBatch(batch_id=batch.batch_id))
+        except ActorDeadError as e:  # the run ends with the buffer (Liveness names it), the arrays with the run
+            log.debug("batch %d not released: %s", batch.batch_id, e)
+
     async def _rl(self, first_step: int) -> tuple[list[float], float, float]:
         """The steps: each step's batch is trained while the previous step is written down (metrics,
         trace, progress), and its weights are pushed while the next one trains."""
@@ -516,8 +506,8 @@ class Controller:
                 try:
                     metrics = await current.train
                     texts = await self._sample_texts(current) if cfg.observe.log_samples else []
-                finally:  # trained (or failed): the batch's arrays are no longer needed
-                    self.system.dataplane.free(blobs(current.samples))
+                finally:  # trained (or failed): the buffer frees the batch's arrays
+                    await self._release(current.batch)
                 step = self.step = current.step
                 self.launched = None
                 end, train_end_s = time.perf_counter(), self._now()
@@ -555,8 +545,8 @@ class Controller:
                                                                         teacher.busy_s)
                 buffer_state = await buffer.ask(BufferStats(), timeout_s=ASK_S)
                 row = self._write_down(trained_step, busy, buffer_state)
-                rewards.append(row["rollout/reward_mean"])
-                progress.update(row)
+                rewards.append(row.rollout_reward_mean)
+                progress.update(row.as_dict())
                 if checkpoint_due and not self.stop.is_set():  # (a stop's own checkpoint comes at the end)
                     progress.status(f"saving a checkpoint after step {step}")
                     self.checkpoint_s = await self._checkpoint(background=True)
@@ -567,12 +557,12 @@ class Controller:
         wall = time.perf_counter() - rl_start
         return rewards, trained / max(wall, 1e-9), idle_total / max(wall, 1e-9)
 
-    def _write_down(self, t: _Trained, busy: float, buffer_state: BufferState) -> dict[str, Any]:
+    def _write_down(self, t: _Trained, busy: float, buffer_state: BufferState) -> RLRow:
         """A trained step's metrics row and trace record; the row."""
         current, metrics, batch = t.launched, t.metrics, t.launched.batch
         row = self._row(current, metrics, t.step_s, t.train_s, t.update_s, busy, buffer_state, t.eval_score,
                         t.teacher_busy_s)
-        self.metrics.log(row)
+        self.metrics.log(row.as_dict())
         self.metrics.log_samples(current.step, t.texts)
         self.trace.write(StepTrace(
             step=current.step, weight_version=metrics.weight_version, start_s=current.start_s, end_s=self._now(),
@@ -585,52 +575,54 @@ class Controller:
 
     def _row(self, current: _Launched, metrics: StepMetrics, step_s: float, train_s: float, update_s: float,
              busy: float, buffer_state: BufferState, eval_score: float | None,
-             teacher_busy_s: float = 0.0) -> dict[str, Any]:
+             teacher_busy_s: float = 0.0) -> RLRow:
         """One metrics.jsonl row (its names and their meanings: observe.names.METRICS)."""
         samples, batch = current.samples, current.batch
         # The policy's reward: every sample finished since the last step, kept or filtered (the
         # batch's own mean leans on groups the filter kept, those with mixed rewards).
         reward = statistics.fmean(self.rollout_rewards) if self.rollout_rewards else 0.0
         self.rollout_rewards = []
-        row = {
-            "step": current.step,
-            "rollout/reward_mean": reward,
-            "rollout/unscored_fraction": sum(not s.scored for s in samples) / len(samples),
-            "rollout/response_len_mean": statistics.fmean(s.num_generated_tokens for s in samples),
-            **spec_metrics(samples),
-            "train/loss": metrics.loss, "train/pg_loss": metrics.pg_loss, "train/grad_norm": metrics.grad_norm,
-            "train/entropy": metrics.entropy, "train/kl": metrics.kl, "train/rollout_kl_k3": metrics.rollout_kl_k3,
-            "train/clip_fraction": metrics.clip_fraction, "train/logprob_abs_diff": metrics.logprob_abs_diff,
-            "train/tis_truncated_fraction": metrics.tis_truncated_fraction,
-            "train/mis_masked_fraction": metrics.mis_masked_fraction, "train/draft_ce": metrics.draft_ce,
-            "train/batch_reward_mean": statistics.fmean([s.reward for s in samples if s.scored] or [0.0]),
-            "train/staleness_mean": batch.metrics.drawn_staleness_mean,
-            "train/staleness_max": batch.metrics.drawn_staleness_max,
-            "train/weight_version": self.version, "train/num_samples": len(samples),
-            "train/num_tokens": metrics.num_tokens, "train/num_forward_tokens": metrics.num_forward_tokens,
-            "perf/wall_s": self._now(), "perf/step_s": step_s, "perf/samples_per_s": len(samples) / max(step_s, 1e-9),
-            "perf/wait_data_s": batch.waited_s, "perf/train_s": train_s, "perf/update_s": update_s,
-            "perf/trainer_idle_fraction": max(step_s - train_s, 0.0) / max(step_s, 1e-9),
-            "perf/engine_busy_fraction": min(busy / max(step_s * len(self.fleet.engines), 1e-9), 1.0),
-            "buffer/occupancy": buffer_state.num_groups / self.config.buffer.capacity_groups,
-            "buffer/waiting_staleness_mean": batch.metrics.waiting_staleness_mean,
-            "buffer/dropped_stale": buffer_state.dropped.get("stale", 0),
-            "buffer/dropped_aborted": buffer_state.dropped.get("aborted", 0),
-            "buffer/dropped_filtered": buffer_state.dropped.get("filtered", 0)}
-        if self.fleet.teacher_scorer is not None:  # distillation: the distance to the teacher, the stage's time
-            row |= {"train/teacher_kl": metrics.teacher_kl, "perf/teacher_s": sum(s.teacher_s for s in samples),
-                    "perf/teacher_wait_s": sum(s.teacher_wait_s for s in samples),
-                    "perf/teacher_busy_fraction": min(teacher_busy_s / max(step_s, 1e-9), 1.0)}
-        if eval_score is not None:
-            row["eval/score"] = eval_score
-            row |= self.evaluator.metrics_of(current.step)  # an lm-eval command's own metrics, by task
-        if self.config.loop.offload_engines:  # the engines' memory: taken back before its batch, released before training
-            row["perf/engine_resume_s"], row["perf/engine_release_s"] = current.offload_s[1], current.offload_s[0]
-        if self.checkpoint_s:  # a checkpoint was taken before this step: its time in the loop's way
-            row["perf/checkpoint_s"], self.checkpoint_s = self.checkpoint_s, 0.0
-        if self.task.multi_turn:  # how much of every turn's prompt the engines' prefix caches held
-            row["rollout/prefix_cache_hit_rate"] = self.cached_tokens / max(self.prompt_tokens_sent, 1)
-        return row
+        accept_rate, accept_length = spec_metrics(samples)
+        teacher = self.fleet.teacher_scorer is not None  # distillation: the distance to the teacher, the stage's time
+        offload = self.config.loop.offload_engines  # the engines' memory: taken back before its batch, released
+        checkpoint_s, self.checkpoint_s = self.checkpoint_s, 0.0  # a checkpoint before this step: its time in the way
+        return RLRow(
+            step=current.step, rollout_reward_mean=reward,
+            rollout_unscored_fraction=sum(not s.scored for s in samples) / len(samples),
+            rollout_response_len_mean=statistics.fmean(s.num_generated_tokens for s in samples),
+            rollout_spec_accept_rate=accept_rate, rollout_spec_accept_length=accept_length,
+            # how much of every turn's prompt the engines' prefix caches held
+            rollout_prefix_cache_hit_rate=self.cached_tokens / max(self.prompt_tokens_sent, 1)
+            if self.task.multi_turn else None,
+            train_loss=metrics.loss, train_pg_loss=metrics.pg_loss, train_grad_norm=metrics.grad_norm,
+            train_entropy=metrics.entropy, train_kl=metrics.kl, train_rollout_kl_k3=metrics.rollout_kl_k3,
+            train_clip_fraction=metrics.clip_fraction, train_logprob_abs_diff=metrics.logprob_abs_diff,
+            train_tis_truncated_fraction=metrics.tis_truncated_fraction,
+            train_mis_masked_fraction=metrics.mis_masked_fraction, train_draft_ce=metrics.draft_ce,
+            train_teacher_kl=metrics.teacher_kl if teacher else None,
+            train_batch_reward_mean=statistics.fmean([s.reward for s in samples if s.scored] or [0.0]),
+            train_staleness_mean=batch.metrics.drawn_staleness_mean,
+            train_staleness_max=batch.metrics.drawn_staleness_max,
+            train_weight_version=self.version, train_num_samples=len(samples),
+            train_num_tokens=metrics.num_tokens, train_num_forward_tokens=metrics.num_forward_tokens,
+            perf_wall_s=self._now(), perf_step_s=step_s, perf_samples_per_s=len(samples) / max(step_s, 1e-9),
+            perf_wait_data_s=batch.waited_s, perf_train_s=train_s, perf_update_s=update_s,
+            perf_trainer_idle_fraction=max(step_s - train_s, 0.0) / max(step_s, 1e-9),
+            perf_engine_busy_fraction=min(busy / max(step_s * len(self.fleet.engines), 1e-9), 1.0),
+            perf_checkpoint_s=checkpoint_s or None,
+            perf_engine_release_s=current.offload_s[0] if offload else None,
+            perf_engine_resume_s=current.offload_s[1] if offload else None,
+            perf_teacher_s=sum(s.teacher_s for s in samples) if teacher else None,
+            perf_teacher_wait_s=sum(s.teacher_wait_s for s in samples) if teacher else None,
+            perf_teacher_busy_fraction=min(teacher_busy_s / max(step_s, 1e-9), 1.0) if teacher else None,
+            eval_score=eval_score,
+            # an lm-eval command's own metrics, by task
+            lm_eval=self.evaluator.metrics_of(current.step) if eval_score is not None else {},
+            buffer_occupancy=buffer_state.num_groups / self.config.buffer.capacity_groups,
+            buffer_waiting_staleness_mean=batch.metrics.waiting_staleness_mean,
+            buffer_dropped_stale=buffer_state.dropped.get("stale", 0),
+            buffer_dropped_aborted=buffer_state.dropped.get("aborted", 0),
+            buffer_dropped_filtered=buffer_state.dropped.get("filtered", 0))
 
     async def _next_batch(self) -> Batch | None:
         """The next batch, or None when the run is asked to stop while waiting. A process the run
@@ -691,10 +683,11 @@ class Controller:
         if not background:
             await self._settle_update()
         state = await self.fleet.scheduler.ask(GetSchedulerState(), timeout_s=ASK_S)
-        run_state = {"rl_step": self.step, "next_new_prompt": state.next_new_prompt, "unfinished": state.unfinished, "metrics_bytes": self.metrics.path.stat().st_size,
-                     "trace_bytes": self.trace.path.stat().st_size, "samples_bytes": self.metrics.samples_bytes()}
+        run_state = RunState(rl_step=self.step, next_new_prompt=state.next_new_prompt, unfinished=state.unfinished,
+                             metrics_bytes=self.metrics.path.stat().st_size, trace_bytes=self.trace.path.stat().st_size,
+                             samples_bytes=self.metrics.samples_bytes())
         info = await self.fleet.trainer.ask(SaveCheckpoint(
-            background=background, files={"run_state.json": json.dumps(run_state).encode()},
+            background=background, files={RUN_STATE_FILE: run_state.encode()},
             keep=self.config.loop.keep_checkpoints), ASK_S)
         self.last_checkpoint = (self.step, time.monotonic())
         held_s = time.perf_counter() - start
@@ -823,8 +816,8 @@ def _trainer_failed(error: BaseException) -> bool:
 def _rl_step_of(folder: Path) -> str:
     """" (after RL step N)" for a checkpoint folder (named by the trainer's step, SFT steps included)."""
     try:
-        return f" (after RL step {json.loads((folder / 'run_state.json').read_text())['rl_step']})"
-    except (OSError, ValueError, KeyError):
+        return f" (after RL step {RunState.read(folder).rl_step})"
+    except (OSError, ValueError):
         return ""
 
 
@@ -873,11 +866,11 @@ async def run_restarting(start: Callable[[bool], Controller], *, resume: bool, m
         return msgspec.structs.replace(result, restarts=restarts)
 
 
-def spec_metrics(samples: list[Trajectory]) -> dict[str, float]:
+def spec_metrics(samples: list[Trajectory]) -> tuple[float, float]:
     """Speculative decoding over a batch's samples (the engines' counts): the fraction of draft
     tokens accepted, and tokens per decoding step (SGLang's accept length; 1 without speculation)."""
     drafted = sum(s.spec_draft_tokens for s in samples)
     steps = sum(s.spec_verify_ct for s in samples)
     generated = sum(s.num_generated_tokens for s in samples if s.spec_verify_ct)
-    return {"rollout/spec_accept_rate": sum(s.spec_accepted_drafts for s in samples) / drafted if drafted else 0.0,
-            "rollout/spec_accept_length": generated / steps if steps else 1.0}
+    return (sum(s.spec_accepted_drafts for s in samples) / drafted if drafted else 0.0,
+            generated / steps if steps else 1.0)

@@ -44,7 +44,7 @@ from miles_async.actors.evaluation import as_hf_folder
 from miles_async.actors.preflight import model_and_tokenizer
 from miles_async.actors.recipe import DERIVED, ModelSection, load_struct, recipe_toml
 from miles_async.actors.trainer import ExportWeights, LoadCheckpoint, SaveCheckpoint, TrainerGroup
-from miles_async.actors.warmstart import as_samples, into_dataplane, sft_step
+from miles_async.actors.warmstart import as_samples, lent_to_dataplane, sft_step
 from miles_async.observe import ObserveConfig, Progress, check_trackers, open_trackers
 from miles_async.observe.logs import MetricsLog, roll_back
 from miles_async.runtime import ActorSystem
@@ -52,7 +52,6 @@ from miles_async.runtime.dataplane import DataPlane
 from miles_async.sft import SFTData, SFTDataConfig, load_sft_data
 from miles_async.trainer import checkpoint
 from miles_async.trainer.config import TrainerConfig
-from miles_async.trajectory import blobs
 
 log = logging.getLogger("miles_async.actors.sft")
 ASK_S = 600.0
@@ -269,11 +268,8 @@ class SFTRun:
 
     async def _heldout_loss(self, trainer: TrainerGroup, dataplane: DataPlane) -> float:
         assert self.data is not None
-        samples = into_dataplane(await asyncio.to_thread(as_samples, self.data.heldout), dataplane)
-        try:
+        with lent_to_dataplane(await asyncio.to_thread(as_samples, self.data.heldout), dataplane) as samples:
             return await trainer.eval_loss(samples, timeout_s=ASK_S)
-        finally:
-            dataplane.free(blobs(samples))
 
     def _now(self) -> float:
         return time.perf_counter() - self.started

@@ -16,13 +16,13 @@ its own, from a data file, ending in a model folder a recipe's `model.path` can 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import msgspec
 
-from miles_async.actors.evaluation import Evaluator
 from miles_async.actors.trainer import TrainerGroup
 from miles_async.observe import Progress
 from miles_async.runtime.dataplane import DataPlane
@@ -32,6 +32,16 @@ from miles_async.trajectory import TokenData, Trajectory, blobs, encode_data
 
 log = logging.getLogger("miles_async.actors.warmstart")
 ASK_S = 600.0
+
+
+class ProbeScorer(Protocol):
+    """What the warm start needs of the run's evaluator (actors/evaluation.py's `Evaluator`): the
+    run's clock and the score of a probe set. A protocol, so this module (which the recipe imports
+    for `WarmStartConfig`) does not import the evaluator and, through it, the fleet."""
+
+    def now(self) -> float: ...
+
+    async def score(self, items: list[Any], *, temperature: float) -> float: ...
 
 
 class WarmStartConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -71,19 +81,27 @@ def into_dataplane(samples: list[Trajectory], dataplane: DataPlane) -> list[Traj
             else s for s in samples]
 
 
+@contextlib.contextmanager
+def lent_to_dataplane(samples: list[Trajectory], dataplane: DataPlane) -> Iterator[list[Trajectory]]:
+    """`samples` moved into `dataplane` for one use (an SFT step, a held-out loss): the caller owns
+    the blobs while the block runs, and they are freed once when it ends, however it ends."""
+    moved = into_dataplane(samples, dataplane)
+    try:
+        yield moved
+    finally:
+        dataplane.free(blobs(moved))
+
+
 async def sft_step(trainer: TrainerGroup, dataplane: DataPlane, examples: Sequence[tuple[list[int], list[int]]], *,
                    lr: float, data_cursor: int = -1) -> StepMetrics:
     """One SFT step on `examples` (token ids, loss mask), through the data plane to the trainer's
     ranks: the step of the warm start and of `miles-async sft` (actors/sft.py)."""
-    samples = into_dataplane(await asyncio.to_thread(as_samples, examples), dataplane)
-    try:
+    with lent_to_dataplane(await asyncio.to_thread(as_samples, examples), dataplane) as samples:
         return await trainer.train(samples, objective="sft", lr=lr, data_cursor=data_cursor, timeout_s=ASK_S)
-    finally:
-        dataplane.free(blobs(samples))
 
 
 async def warm_start(config: WarmStartConfig, *, task: Task, dataset: list[Any], probe: list[Any],
-                     trainer: TrainerGroup, dataplane: DataPlane, evaluator: Evaluator,
+                     trainer: TrainerGroup, dataplane: DataPlane, evaluator: ProbeScorer,
                      push: Callable[[], Awaitable[Any]], stop: asyncio.Event, progress: Progress,
                      on_version: Callable[[int], None]) -> tuple[int, float | None]:
     """Run the warm start (module docstring); (steps taken, last probe accuracy). `push()` pushes the

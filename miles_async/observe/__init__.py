@@ -15,7 +15,8 @@ and shows itself live in the terminal through `Progress`. The recipe's `[observe
 `ObserveConfig`.
 
 The trace schema (field, unit, meaning) is in `observe.records`; the metric names in
-`observe.names` (described in `observe.logs`); the plots in `observe.plot`.
+`observe.names` (described in `observe.logs`; the RL controller's row is its `RLRow`); the
+plots in `observe.plot`.
 
 This package is a leaf: it imports msgspec, the standard library, and rich, matplotlib, wandb
 and torch's TensorBoard writer lazily (only when the live view starts, a plot is drawn or a
@@ -25,7 +26,7 @@ reading a finished run, the simulator) can use it cheaply.
 
 from miles_async.observe.config import ObserveConfig
 from miles_async.observe.logs import METRICS_FILE, TRACE_FILE, JsonlWriter, MetricsLog, TraceLog, roll_back
-from miles_async.observe.names import METRICS, RENAMED, upgrade_row
+from miles_async.observe.names import METRICS, RENAMED, RLRow, upgrade_row
 from miles_async.observe.plot import plot_run, read_metrics
 from miles_async.observe.progress import Progress
 from miles_async.observe.records import (
@@ -64,6 +65,7 @@ __all__ = [
     "MetricsLog",
     "ObserveConfig",
     "Progress",
+    "RLRow",
     "RunTrace",
     "SampleText",
     "SampleTrace",

@@ -12,9 +12,10 @@ produced: `rollout/reward_mean`, `rollout/response_len_mean`), `train/...` (the 
 an lm-eval command's `eval/<task>/<metric>`), `buffer/...` (`buffer/occupancy`,
 `buffer/dropped_stale`), and the plain `step`, the x-axis. Every key, what it means and which
 run writes it (the RL controller, `miles-async sft`) is in ONE table, `observe.names.METRICS`
-(`python -m miles_async.observe.names` prints it); any key may be absent from a row. Runs
-written before the names were grouped used flat names (`reward_mean`, `loss`, `eval_score`):
-`observe.names.upgrade_row` renames them for readers.
+(`python -m miles_async.observe.names` prints it; the RL controller builds its rows typed, as
+`observe.names.RLRow`); any key may be absent from a row. Runs written before the names were
+grouped used flat names (`reward_mean`, `loss`, `eval_score`): `observe.names.upgrade_row`
+renames them for readers.
 
 `MetricsLog` fans each row out to the trackers `[observe]` asks for (`observe.trackers`: wandb,
 TensorBoard) under the same names, and with `observe.log_samples` writes the decoded samples of

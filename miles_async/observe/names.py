@@ -14,6 +14,11 @@ they measure, as the field groups them (verl, slime):
 Runs written before the names were grouped used the flat names (`reward_mean`, `loss`, ...);
 `upgrade_row` renames those, so readers (`miles-async plot`) read old run folders too.
 
+The RL controller's row is typed: `RLRow`, one field per key (the field is the name with its
+namespace's slash made an underscore: `rollout_reward_mean` is `rollout/reward_mean`), a field left
+None is not in the row. Adding a metric is a field there and its meaning here in `METRICS`;
+tests/unit/test_observe_logs.py checks that each field has its line and each line its field.
+
 Print the table: `python -m miles_async.observe.names` (markdown); docs/reference/metrics.md is
 generated from it (launch/reference.py).
 """
@@ -25,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["METRICS", "NAMESPACES", "RENAMED", "Metric", "is_known", "upgrade_row"]
+__all__ = ["METRICS", "NAMESPACES", "RENAMED", "Metric", "RLRow", "field_name", "is_known", "upgrade_row"]
 
 NAMESPACES = ("rollout", "train", "perf", "eval", "buffer")
 
@@ -107,6 +112,80 @@ METRICS: tuple[Metric, ...] = (
 
 _BY_NAME = {m.name: m for m in METRICS}
 RENAMED: dict[str, str] = {m.old: m.name for m in METRICS if m.old and m.old != m.name}
+
+
+def field_name(field: str) -> str:
+    """The metric name of an `RLRow` field: `rollout_reward_mean` -> `rollout/reward_mean` (`step`
+    stays plain)."""
+    head, _, rest = field.partition("_")
+    return f"{head}/{rest}" if head in NAMESPACES and rest else field
+
+
+class RLRow(msgspec.Struct, kw_only=True, omit_defaults=True, rename=field_name):
+    """One metrics.jsonl row of the RL controller (the meanings: `METRICS`). Optional fields are
+    None when the run has no such thing (no teacher, no eval this step, ...): not in the row."""
+
+    step: int
+    rollout_reward_mean: float
+    rollout_unscored_fraction: float
+    rollout_response_len_mean: float
+    rollout_spec_accept_rate: float
+    rollout_spec_accept_length: float
+    rollout_prefix_cache_hit_rate: float | None = None  # multi-turn tasks
+    train_loss: float
+    train_pg_loss: float
+    train_grad_norm: float
+    train_entropy: float
+    train_kl: float
+    train_rollout_kl_k3: float
+    train_clip_fraction: float
+    train_logprob_abs_diff: float
+    train_tis_truncated_fraction: float
+    train_mis_masked_fraction: float
+    train_draft_ce: float
+    train_teacher_kl: float | None = None  # distillation
+    train_batch_reward_mean: float
+    train_staleness_mean: float
+    train_staleness_max: int
+    train_weight_version: int
+    train_num_samples: int
+    train_num_tokens: int
+    train_num_forward_tokens: int
+    perf_wall_s: float
+    perf_step_s: float
+    perf_samples_per_s: float
+    perf_wait_data_s: float
+    perf_train_s: float
+    perf_update_s: float
+    perf_trainer_idle_fraction: float
+    perf_engine_busy_fraction: float
+    perf_checkpoint_s: float | None = None  # a checkpoint was taken before this step
+    perf_engine_release_s: float | None = None  # loop.offload_engines
+    perf_engine_resume_s: float | None = None
+    perf_teacher_s: float | None = None  # distillation
+    perf_teacher_wait_s: float | None = None
+    perf_teacher_busy_fraction: float | None = None
+    eval_score: float | None = None  # eval steps
+    buffer_occupancy: float
+    buffer_waiting_staleness_mean: float
+    buffer_dropped_stale: int
+    buffer_dropped_aborted: int
+    buffer_dropped_filtered: int
+    # an lm-eval command's own metrics, already named eval/<task>/<metric>: flattened into the row
+    lm_eval: dict[str, float] = msgspec.field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as metrics.jsonl and the trackers take it: metric name -> number."""
+        row = msgspec.to_builtins(self, enc_hook=_plain)
+        return row | row.pop("lm_eval", {})
+
+
+def _plain(obj: Any) -> Any:
+    # numpy and torch scalars may reach a row from the trainer's side: `.item()` makes them plain
+    item = getattr(obj, "item", None)
+    if callable(item):
+        return item()
+    raise TypeError(f"a metrics row holds numbers, not a {type(obj).__name__}: {obj!r}")
 
 
 def is_known(name: str) -> bool:

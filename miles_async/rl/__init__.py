@@ -31,14 +31,23 @@ from miles_async.rl.losses import (
     sft_loss,
     tis_weights,
 )
-from miles_async.rl.metrics import METRIC_SUM_NAMES, RLMetrics, metric_sums
+from miles_async.rl.metrics import (
+    METRIC_SUM_NAMES,
+    MetricSums,
+    RLMetrics,
+    SumVector,
+    metric_parts,
+    metric_sums,
+)
 
 __all__ = [
     "METRIC_SUM_NAMES",
     "AdvantageConfig",
+    "MetricSums",
     "PolicyLossConfig",
     "PolicyLossOutput",
     "RLMetrics",
+    "SumVector",
     "advantages_to_tokens",
     "aggregate",
     "aggregation_denominator",
@@ -46,6 +55,7 @@ __all__ = [
     "distill_advantages",
     "grpo_advantages",
     "kl_estimate",
+    "metric_parts",
     "metric_sums",
     "policy_loss",
     "ppo_clip_loss",

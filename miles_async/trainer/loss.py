@@ -16,8 +16,8 @@
   policy loss (PPO clip + dual clip, TIS against the rollout log-probs, KL to the reference
   log-probs when the batch carries them, the teacher's reverse KL folded into the advantages
   with `policy_loss.distill_coef`, entropy bonus) or SFT cross-entropy, divided by the
-  whole step's denominator, plus the step metrics' sums of this micro-batch (one float64 vector,
-  see `LOSS_SUM_NAMES`, so the step makes a single all-reduce).
+  whole step's denominator, plus the step metrics' sums of this micro-batch (one float64 vector
+  in the order of `StepSums`'s fields, so the step makes a single all-reduce).
 
 Tensor names (STYLE rule 10): T packed tokens (per-sample slots), R rows run through the model,
 S the scored slots, D hidden, V vocab, K summed metrics.
@@ -40,17 +40,30 @@ from miles_async.kernels import batch_invariant
 from miles_async.kernels.logprobs import token_logprobs_from_hidden
 from miles_async.models import CausalLM, DenseCausalAttention
 from miles_async.models.draft import draft_loss
-from miles_async.rl import METRIC_SUM_NAMES, metric_sums, policy_loss, sft_loss
+from miles_async.rl import MetricSums, metric_parts, policy_loss, sft_loss
 from miles_async.trainer.config import TrainerConfig
 from miles_async.trainer.packing import PackedBatch
 
-# After the rl metric sums: the step's aggregated loss and its parts (each already divided by the
-# step's denominator, so summing over micro-batches and ranks gives the step's values).
-LOSS_SUM_NAMES: tuple[str, ...] = (*METRIC_SUM_NAMES, "loss", "pg_loss", "kl",
-                                   # the draft head's (trainer.draft): its loss (weighted, like the
-                                   # loss), its cross-entropy summed over drafted positions, their count
-                                   "draft_loss", "draft_ce_sum", "draft_positions")
 
+class StepSums(MetricSums, frozen=True, kw_only=True):
+    """A train step's sums, one float64 vector (summed over micro-batches, all-reduced once; the
+    order is the fields', `SumVector`): the rl metric sums, then the step's aggregated loss and
+    its parts (each already divided by the step's denominator, so the sums are the step's values),
+    then the share's counts, which the step adds once (`Trainer.train_step`)."""
+
+    loss: float = 0.0
+    pg_loss: float = 0.0
+    kl: float = 0.0
+    # the draft head's (trainer.draft): its loss (weighted, like the loss), its cross-entropy summed
+    # over drafted positions, their count
+    draft_loss: float = 0.0
+    draft_ce_sum: float = 0.0
+    draft_positions: float = 0.0
+    num_samples: float = 0.0
+    num_tokens: float = 0.0
+    num_sample_trained_tokens: float = 0.0  # from the samples' metadata (`packing.trained_tokens`)
+    reward_sum: float = 0.0
+    num_forward_tokens: float = 0.0
 
 def mixed_precision(device: torch.device, compute_dtype: str) -> contextlib.AbstractContextManager[Any]:
     """torch.autocast to bf16 on `device` for compute_dtype "bfloat16"; nothing for "float32"."""
@@ -126,7 +139,7 @@ class DraftPositions:
 @dataclass(frozen=True)
 class MicroBatchLoss:
     loss: torch.Tensor  # with gradient, already divided by the step's denominator (with the draft head's term)
-    sums_K: torch.Tensor  # float64, in the order of LOSS_SUM_NAMES
+    sums_K: torch.Tensor  # float64, in the order of StepSums (its counts left 0)
 
 
 def trains_draft(config: TrainerConfig) -> bool:
@@ -160,7 +173,7 @@ def micro_batch_loss(model: nn.Module, batch: PackedBatch, config: TrainerConfig
     if config.objective == "sft":
         loss = sft_loss(logp_T, mask_T, seq_ids_T, loss_config.aggregation, denominator=denominator)
         out = None
-        parts = (loss.detach(), zero)
+        loss_parts = (loss.detach(), zero)
     else:
         ref_T = None
         if loss_config.kl_coef > 0:
@@ -174,15 +187,15 @@ def micro_batch_loss(model: nn.Module, batch: PackedBatch, config: TrainerConfig
                           entropy_T=entropy_T if loss_config.entropy_coef > 0 else entropy_T.detach(),
                           teacher_logp_T=fold_T, denominator=denominator)
         loss = out.loss
-        parts = (out.pg_loss, out.kl)
-    sums_K = metric_sums(trainer_logp_T=logp_T.detach(), rollout_logp_T=rollout_T, loss_mask_T=mask_T, loss=out,
+        loss_parts = (out.pg_loss, out.kl)
+    parts = metric_parts(trainer_logp_T=logp_T.detach(), rollout_logp_T=rollout_T, loss_mask_T=mask_T, loss=out,
                          entropy_T=entropy_T.detach(), teacher_logp_T=teacher_T)
-    draft_parts = (zero, zero, zero)
     total = loss
     if draft is not None:  # a term of its own: the policy's parameters get no gradient from it
         draft_sum, ce_sum = draft_out
         draft_term = draft_sum * (config.draft_coef / denominator)
         total = loss + draft_term
-        draft_parts = (draft_term.detach(), ce_sum, zero + draft.targets_P.numel())
-    extra_K = torch.stack([loss.detach(), *parts, *draft_parts]).double()
-    return MicroBatchLoss(loss=total, sums_K=torch.cat([sums_K, extra_K]))
+        parts |= {"draft_loss": draft_term.detach(), "draft_ce_sum": ce_sum,
+                  "draft_positions": zero + draft.targets_P.numel()}
+    sums_K = StepSums.stack(**parts, loss=loss.detach(), pg_loss=loss_parts[0], kl=loss_parts[1])
+    return MicroBatchLoss(loss=total, sums_K=sums_K)

@@ -32,18 +32,16 @@ from safetensors.torch import save_file
 from miles_async.models import load_pretrained
 from miles_async.models.draft import PREFIX as DRAFT_PREFIX
 from miles_async.models.lora import add_lora, lora_delta
-from miles_async.rl import METRIC_SUM_NAMES, RLMetrics
+from miles_async.rl import RLMetrics
 from miles_async.trainer import checkpoint
 from miles_async.trainer.config import OBJECTIVES, TrainerConfig
 from miles_async.trainer.fsdp import full_tensor, shard_model
-from miles_async.trainer.loss import LOSS_SUM_NAMES, attach_logprobs, micro_batch_loss
+from miles_async.trainer.loss import StepSums, attach_logprobs, micro_batch_loss
 from miles_async.trainer.offload import StreamingAdamW
 from miles_async.trainer.packing import micro_batches, pack, trained_tokens
 from miles_async.trajectory import TokenData, Trajectory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# all-reduced with the loss sums
-COUNT_NAMES = ("num_samples", "num_tokens", "num_trained_tokens", "reward_sum", "num_forward_tokens")
 
 
 class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
@@ -162,7 +160,7 @@ class Trainer:
         start = time.perf_counter()
         plan = micro_batches(samples, config.micro_batch_tokens, num_micro_batches)
         self.optimizer.zero_grad(set_to_none=True)
-        sums_K = torch.zeros(len(LOSS_SUM_NAMES) + len(COUNT_NAMES), dtype=torch.float64)
+        sums_K = torch.zeros(len(StepSums.names()), dtype=torch.float64)
         share = config.share_prefixes and not config.batch_invariant
         forward_tokens = 0
         for indices in plan:
@@ -173,10 +171,11 @@ class Trainer:
             # FSDP averages gradients over ranks; the loss is already a mean over the whole
             # batch, so undo the average (x world size; a power of two is exact in floats).
             (out.loss * self.world_size).backward()
-            sums_K[:len(LOSS_SUM_NAMES)] += out.sums_K.cpu()
-        sums_K[len(LOSS_SUM_NAMES):] = torch.tensor(
-            [len(samples), sum(d.num_tokens for d in data), sum(trained_tokens(s) for s in samples),
-             sum(s.reward for s in samples), forward_tokens], dtype=torch.float64)
+            sums_K += out.sums_K.cpu()
+        sums_K += StepSums.stack(  # the share's counts, all-reduced with the sums
+            num_samples=len(samples), num_tokens=sum(d.num_tokens for d in data),
+            num_sample_trained_tokens=sum(trained_tokens(s) for s in samples), reward_sum=sum(s.reward for s in samples),
+            num_forward_tokens=forward_tokens)
         # The draft head's gradient is clipped on its own: the policy's update is the same with or without it.
         norm = torch.nn.utils.clip_grad_norm_(self.policy_params, self.config.grad_clip)
         if self.draft_params:
@@ -196,20 +195,19 @@ class Trainer:
             dist.all_reduce(reduced)
             sums_K = reduced.cpu()
         elapsed_s = time.perf_counter() - start
-        num_rl = len(METRIC_SUM_NAMES)
-        rl = RLMetrics.from_sums(sums_K[:num_rl])
-        loss, pg_loss, kl, draft_loss, draft_ce_sum, draft_positions = sums_K[num_rl:len(LOSS_SUM_NAMES)].tolist()
-        num_samples, num_tokens, num_trained, reward_sum, num_forward = sums_K[len(LOSS_SUM_NAMES):].tolist()
+        sums = StepSums.of(sums_K)
+        rl = RLMetrics.of(sums)
+        num_samples, num_tokens = int(sums.num_samples), int(sums.num_tokens)
         return StepMetrics(
-            step=self.step, weight_version=self.weight_version, loss=loss, grad_norm=grad_norm,
-            num_samples=int(num_samples), num_tokens=int(num_tokens), num_trained_tokens=int(num_trained),
+            step=self.step, weight_version=self.weight_version, loss=sums.loss, grad_norm=grad_norm,
+            num_samples=num_samples, num_tokens=num_tokens, num_trained_tokens=int(sums.num_sample_trained_tokens),
             num_micro_batches=len(plan), tokens_per_s=num_tokens / max(elapsed_s, 1e-9),
-            logprob_abs_diff=rl.logprob_abs_diff, mean_reward=reward_sum / max(num_samples, 1),
+            logprob_abs_diff=rl.logprob_abs_diff, mean_reward=sums.reward_sum / max(num_samples, 1),
             elapsed_s=elapsed_s, skipped=skipped, rollout_kl_k3=rl.rollout_kl_k3, clip_fraction=rl.clip_fraction,
             dual_clip_fraction=rl.dual_clip_fraction, tis_truncated_fraction=rl.tis_truncated_fraction,
-            entropy=rl.entropy, pg_loss=pg_loss, kl=kl, num_forward_tokens=int(num_forward), teacher_kl=rl.teacher_kl,
-            mis_masked_fraction=rl.mis_masked_fraction, draft_loss=draft_loss,
-            draft_ce=draft_ce_sum / draft_positions if draft_positions else 0.0)
+            entropy=rl.entropy, pg_loss=sums.pg_loss, kl=sums.kl, num_forward_tokens=int(sums.num_forward_tokens),
+            teacher_kl=rl.teacher_kl, mis_masked_fraction=rl.mis_masked_fraction, draft_loss=sums.draft_loss,
+            draft_ce=sums.draft_ce_sum / sums.draft_positions if sums.draft_positions else 0.0)
 
     def eval_loss(self, samples: list[Trajectory], *, num_micro_batches: int, denominator: float) -> float:
         """The SFT loss of this rank's share at the current weights, summed over ranks (a collective

@@ -1,6 +1,7 @@
 """The Buffer actor over the real runtime: a full buffer keeps the producer waiting until a get
-makes room; a get waits for a whole batch; drops reach the scheduler with their reason, and the
-buffer frees the data-plane blobs of the groups it drops while those it hands out stay readable."""
+makes room; a get waits for a whole batch; drops reach the scheduler with their reason. The buffer
+owns the groups' data-plane blobs from their put: it frees those it drops, a batch it hands out
+stays readable until its `ReleaseBatch` (then freed once), and what it holds when it stops."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 
 import pytest
 
-from miles_async.actors.buffer import Buffer, BufferStats, GetBatch, GroupsDropped, PutGroup
+from miles_async.actors.buffer import Buffer, BufferStats, GetBatch, GroupsDropped, PutGroup, ReleaseBatch
 from miles_async.policies.buffer import BufferConfig, Group
 from miles_async.runtime import Actor, ActorSystem, BlobGoneError, BlobRef, Message, RemoteError, handler
 from miles_async.runtime import run as run_async
@@ -81,8 +82,9 @@ def test_a_full_buffer_blocks_the_producer_until_a_get_makes_room():
             assert (await asyncio.wait_for(blocked, 10)).status == "accepted"
             with pytest.raises(RemoteError, match="can never fill"):
                 await buffer.ask(GetBatch(batch_groups=2, trainer_version=0, timeout_s=10), timeout_s=15)
-            await system.stop(buffer)
-            dp.free(refs(g1))  # held by the stopped buffer: not this test's subject
+            await system.stop(buffer)  # it frees what it holds: g0 lent, g1 waiting
+            await assert_freed(dp, g0, g1)
+            assert dp.stats.num_blobs == 0
             buffer = await system.spawn(Buffer, "buffer2", args=(BufferConfig(capacity_groups=4), "scheduler"))
             g1, g2 = group(dp, 1, [1.0, 0.0]), group(dp, 2, [0.0, 1.0])
             await buffer.ask(PutGroup(group=g1), timeout_s=10)
@@ -90,8 +92,9 @@ def test_a_full_buffer_blocks_the_producer_until_a_get_makes_room():
             await asyncio.sleep(0.1)
             assert not waiting.done(), "a get waits for a whole batch"
             await buffer.ask(PutGroup(group=g2), timeout_s=10)
-            assert [g.prompt_id for g in (await asyncio.wait_for(waiting, 10)).groups] == [1, 2]
-            handed_out = [g0, g1, g2]
+            lent = await asyncio.wait_for(waiting, 10)
+            assert [g.prompt_id for g in lent.groups] == [1, 2]
+            handed_out = [g1, g2]
             assert dp.stats.num_blobs == 2 * len(handed_out)  # handed out: the trainer reads them later
 
             g3, g4 = group(dp, 3, [1.0, 1.0]), group(dp, 4, [0.0, 1.0], aborted=True)
@@ -105,16 +108,56 @@ def test_a_full_buffer_blocks_the_producer_until_a_get_makes_room():
                 assert (await buffer.ask(PutGroup(group=g), timeout_s=10)).status == "accepted"
             batch = await buffer.ask(GetBatch(batch_groups=1, trainer_version=3, timeout_s=10), timeout_s=15)
             assert [g.prompt_id for g in batch.groups] == [6]  # 5 is 3 versions old (max_staleness 1): dropped
+            assert batch.batch_id != lent.batch_id
             handed_out.append(g6)
             assert dp.stats.num_blobs == 2 * len(handed_out)
             await assert_freed(dp, g5)
             await assert_readable(dp, *handed_out)
             state = await buffer.ask(BufferStats(), timeout_s=10)
-            assert (state.num_groups, state.dropped) == (0, {"aborted": 1, "filtered": 1, "stale": 1})
-            dp.free(refs(*handed_out))  # the consumer's part
+            assert (state.num_groups, state.dropped, state.num_lent) == (0, {"aborted": 1, "filtered": 1, "stale": 1}, 2)
+            for trained in (lent, batch):  # the steps that trained them: the buffer frees their blobs
+                await buffer.tell(ReleaseBatch(batch_id=trained.batch_id))
+            assert (await buffer.ask(BufferStats(), timeout_s=10)).num_lent == 0
             assert dp.stats.num_blobs == 0
             await asyncio.sleep(0.1)
             return await scheduler.ask(Drops(), timeout_s=10)
 
     drops = run_async(asyncio.wait_for(main(), 60))
     assert drops == [([3], False, "filtered"), ([4], True, "aborted"), ([5], True, "stale")]
+
+
+def test_a_batch_is_freed_once_by_its_release_and_nothing_leaks(caplog: pytest.LogCaptureFixture):
+    """One owner per blob: a batch's blobs live until its release and are freed exactly once (a
+    second release frees nothing: the data plane never sees a free of a blob not live); groups
+    dropped stale and a buffer stopped with groups waiting and lent leave no blob behind."""
+
+    async def main() -> None:
+        async with ActorSystem() as system:
+            dp = system.dataplane
+            await system.spawn(FakeScheduler, "scheduler")
+            buffer = await system.spawn(Buffer, "buffer", args=(BufferConfig(capacity_groups=8), "scheduler"))
+            groups = [group(dp, i, [0.0, 1.0], version=0 if i < 2 else 2) for i in range(4)]
+            for g in groups[:2]:
+                assert (await buffer.ask(PutGroup(group=g), timeout_s=10)).status == "accepted"
+            first = await buffer.ask(GetBatch(batch_groups=2, trainer_version=0, timeout_s=10), timeout_s=15)
+            await assert_readable(dp, *first.groups)  # lent: the trainer reads them until the release
+            await buffer.tell(ReleaseBatch(batch_id=first.batch_id))
+            await buffer.tell(ReleaseBatch(batch_id=first.batch_id))  # twice: the second frees nothing
+            await buffer.ask(BufferStats(), timeout_s=10)  # (the mailbox is in order: both were handled)
+            await assert_freed(dp, *first.groups)
+            assert dp.stats.num_blobs == 2 * 2  # groups 2 and 3's, not put yet
+            stale = group(dp, 9, [0.0, 1.0], version=0)
+            for g in (*groups[2:], stale):
+                assert (await buffer.ask(PutGroup(group=g), timeout_s=10)).status == "accepted"
+            second = await buffer.ask(GetBatch(batch_groups=1, trainer_version=2, timeout_s=10), timeout_s=15)
+            assert [g.prompt_id for g in second.groups] == [2]
+            await assert_freed(dp, stale)  # dropped stale: freed by the buffer at once
+            waiting = [groups[3]]
+            await system.stop(buffer)  # with one batch lent and one group waiting
+            await assert_freed(dp, *second.groups, *waiting)
+            assert dp.stats.num_blobs == 0
+
+    with caplog.at_level("DEBUG", logger="miles_async"):
+        run_async(asyncio.wait_for(main(), 60))
+    assert not [r for r in caplog.records if "freed twice" in r.getMessage()], "a blob was freed twice"
+    assert any("not lent (released twice?)" in r.getMessage() for r in caplog.records)

@@ -182,3 +182,21 @@ def test_every_metric_name_is_grouped_and_old_names_are_upgraded():
     new = {"step": 3, "rollout/reward_mean": 0.5}
     assert upgrade_row(new) == new
     assert is_known("perf/samples_per_s") and is_known("eval/gsm8k/exact_match") and not is_known("reward_mean")
+
+
+def test_every_rl_row_field_is_a_documented_name_and_every_rl_name_a_field():
+    """`RLRow` and the table name the same keys: a metric added to one and not the other fails here,
+    naming it. A row leaves out what it does not have and flattens an lm-eval command's metrics."""
+    import msgspec
+
+    from miles_async.observe.names import RLRow
+
+    fields = {f.encode_name for f in msgspec.structs.fields(RLRow) if f.name != "lm_eval"}
+    documented = {m.name for m in METRICS if m.writer in ("rl", "both")}
+    assert sorted(fields - documented) == [], "RLRow fields with no line in observe.names.METRICS"
+    assert sorted(documented - fields) == [], "METRICS lines the RL row never writes (writer 'rl' or 'both')"
+    values: dict[str, object] = {f.name: 1 for f in msgspec.structs.fields(RLRow) if f.required}
+    row = RLRow(**values, eval_score=0.5, lm_eval={"eval/gsm8k/exact_match": 0.25}).as_dict()  # type: ignore[arg-type]
+    assert row["rollout/reward_mean"] == 1 and row["eval/score"] == 0.5 and row["eval/gsm8k/exact_match"] == 0.25
+    assert "perf/checkpoint_s" not in row and "train/teacher_kl" not in row and "lm_eval" not in row
+    assert all(is_known(key) for key in row)

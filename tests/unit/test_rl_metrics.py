@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import torch
 
-from miles_async.rl import METRIC_SUM_NAMES, PolicyLossConfig, RLMetrics, metric_sums, policy_loss
+from miles_async.rl import METRIC_SUM_NAMES, MetricSums, PolicyLossConfig, RLMetrics, metric_sums, policy_loss
 
 
 def test_identical_log_probs_read_exactly_zero() -> None:
@@ -81,3 +81,20 @@ def test_bad_shapes_are_named() -> None:
         metric_sums(trainer_logp_T=torch.zeros(2), rollout_logp_T=torch.zeros(3), loss_mask_T=torch.ones(2))
     with pytest.raises(ValueError, match="metric sums must have shape"):
         RLMetrics.from_sums(torch.zeros(3))
+
+
+def test_a_sum_vector_is_its_structs_fields_in_order() -> None:
+    """The step's vector order is defined once, by the Struct: stack and of round-trip by field
+    name, a subclass appends its fields after the rl sums, and a name that is no field is refused."""
+    from miles_async.trainer.loss import StepSums
+
+    assert METRIC_SUM_NAMES == MetricSums.names() and StepSums.names()[:len(METRIC_SUM_NAMES)] == METRIC_SUM_NAMES
+    sums_K = StepSums.stack(entropy=torch.tensor(2.5), loss=0.25, num_samples=4)
+    assert sums_K.dtype == torch.float64 and not sums_K.requires_grad
+    sums = StepSums.of(sums_K + sums_K)
+    assert (sums.entropy, sums.loss, sums.num_samples, sums.kl) == (5.0, 0.5, 8.0, 0.0)
+    assert RLMetrics.of(MetricSums(num_trained_tokens=2, entropy=3.0)).entropy == 1.5
+    with pytest.raises(ValueError, match="not sums of StepSums"):
+        StepSums.stack(entropie=1.0)
+    with pytest.raises(ValueError, match="StepSums sums must have shape"):
+        StepSums.of(torch.zeros(len(METRIC_SUM_NAMES)))

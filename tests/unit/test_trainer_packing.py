@@ -9,7 +9,7 @@ import torch
 from miles_async.models import CausalLM, ModelConfig
 from miles_async.rl import AdvantageConfig, PolicyLossConfig
 from miles_async.trainer.config import TrainerConfig
-from miles_async.trainer.loss import LOSS_SUM_NAMES, attach_logprobs, micro_batch_loss
+from miles_async.trainer.loss import StepSums, attach_logprobs, micro_batch_loss
 from miles_async.trainer.packing import (
     assign_to_ranks,
     group_advantages,
@@ -169,7 +169,7 @@ def test_micro_batch_loss_matches_unpacked_sft_and_rl_losses() -> None:
         else:
             expected = -sum((lp * m).sum() / m.sum() for lp, m in zip(ref, masks)) / 2
         torch.testing.assert_close(out.loss.detach(), expected)
-        assert len(out.sums_K) == len(LOSS_SUM_NAMES) and out.sums_K[0] == 5  # trained tokens
+        assert len(out.sums_K) == len(StepSums.names()) and StepSums.of(out.sums_K).num_trained_tokens == 5
     # RL, token mean: -A * TIS weight min(exp(logp - rollout), cap) (ratio 1 at the step's own weights)
     rl_cfg = TrainerConfig(model_dir="m", policy_loss=PolicyLossConfig(tis_cap=1.5))
     attach_logprobs(model, rl_cfg)
@@ -179,7 +179,7 @@ def test_micro_batch_loss_matches_unpacked_sft_and_rl_losses() -> None:
         weight = torch.clamp(torch.exp(lp - torch.from_numpy(s.logprob_array()[1:].copy())), max=1.5)
         expected = expected - (advantage * weight * m).sum() / 5
     torch.testing.assert_close(out.loss.detach(), expected)
-    sums = dict(zip(LOSS_SUM_NAMES, out.sums_K.tolist()))
+    sums = msgspec.structs.asdict(StepSums.of(out.sums_K))
     gaps = torch.cat([(lp - torch.from_numpy(s.logprob_array()[1:].copy()))[m > 0] for s, lp, m in zip(samples, ref, masks)])
     assert sums["logprob_abs_diff"] == pytest.approx(float(gaps.abs().sum()), rel=1e-5)
     assert sums["tis_truncated"] == float((gaps.exp() > 1.5).sum())
