@@ -6,10 +6,9 @@ implements, so that this module stays below system.py."""
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Protocol
 
-from miles_async.runtime.actor import Actor, ActorHost, handler
+from miles_async.runtime.actor import Actor, handler
 from miles_async.runtime.dataplane import DATAPLANE_CAPACITY
 from miles_async.runtime.errors import UnknownActorError
 from miles_async.runtime.messages import (
@@ -26,13 +25,11 @@ from miles_async.runtime.messages import (
     StopActor,
     Unregister,
 )
-
-if TYPE_CHECKING:
-    from miles_async.runtime.owner import Supervisor
+from miles_async.runtime.owner import Supervisor, SupervisorHost
 
 
-class ControlHost(ActorHost, Protocol):
-    """What `$system` needs of its `ActorSystem` beyond an actor's view (see their docstrings)."""
+class ControlHost(SupervisorHost, Protocol):
+    """What `$system` needs of its `ActorSystem` beyond its supervisor's view (see their docstrings)."""
 
     @property
     def supervisor(self) -> Supervisor: ...
@@ -41,10 +38,6 @@ class ControlHost(ActorHost, Protocol):
     def main_actor(self) -> str | None: ...
 
     def hosts(self, name: str) -> bool: ...
-
-    def run_background(self, coro: Coroutine[Any, Any, Any]) -> None: ...
-
-    async def start_hosted(self, name: str) -> None: ...
 
     async def close(self) -> None: ...
 

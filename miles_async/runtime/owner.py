@@ -19,10 +19,10 @@ import signal
 import sys
 from collections.abc import Callable, Coroutine
 from multiprocessing.reduction import ForkingPickler
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from miles_async.runtime import child, segments, wire
-from miles_async.runtime.actor import Actor
+from miles_async.runtime.actor import Actor, ActorHost
 from miles_async.runtime.errors import (
     ActorDeadError,
     ActorError,
@@ -33,11 +33,6 @@ from miles_async.runtime.errors import (
 )
 from miles_async.runtime.messages import ActorAddress, ChildReady, RestartActor, ShutdownSystem
 from miles_async.runtime.supervision import RestartPolicy
-
-if TYPE_CHECKING:
-    from miles_async.runtime.config import RuntimeConfig
-    from miles_async.runtime.dataplane import DataPlane
-    from miles_async.runtime.refs import ActorRef
 
 log = logging.getLogger("miles_async.runtime")
 
@@ -88,23 +83,9 @@ class Child:
 NOT_STARTED: Any = object()
 
 
-class SupervisorHost(Protocol):
-    """What a `Supervisor` needs of its `ActorSystem` (the one implementation; see its docstrings)."""
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop: ...
-
-    @property
-    def config(self) -> RuntimeConfig: ...
-
-    @property
-    def address(self) -> str: ...
-
-    @property
-    def run_dir(self) -> str: ...
-
-    @property
-    def dataplane(self) -> DataPlane: ...
+class SupervisorHost(ActorHost, Protocol):
+    """What a `Supervisor` needs of its `ActorSystem` beyond an actor's view (the one
+    implementation; see its docstrings)."""
 
     @property
     def closing(self) -> bool: ...
@@ -114,8 +95,6 @@ class SupervisorHost(Protocol):
 
     @property
     def directory_address(self) -> str: ...
-
-    def ref(self, entry: ActorAddress) -> ActorRef: ...
 
     def run_background(self, coro: Coroutine[Any, Any, Any]) -> None: ...
 
