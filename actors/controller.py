@@ -544,9 +544,9 @@ class Controller:
                     trained_step.teacher_busy_s, teacher_busy_before = (teacher.busy_s - teacher_busy_before,
                                                                         teacher.busy_s)
                 buffer_state = await buffer.ask(BufferStats(), timeout_s=ASK_S)
-                row = self._write_down(trained_step, busy, buffer_state)
+                row, values = self._write_down(trained_step, busy, buffer_state)
                 rewards.append(row.rollout_reward_mean)
-                progress.update(row.as_dict())
+                progress.update(values)
                 if checkpoint_due and not self.stop.is_set():  # (a stop's own checkpoint comes at the end)
                     progress.status(f"saving a checkpoint after step {step}")
                     self.checkpoint_s = await self._checkpoint(background=True)
@@ -557,12 +557,13 @@ class Controller:
         wall = time.perf_counter() - rl_start
         return rewards, trained / max(wall, 1e-9), idle_total / max(wall, 1e-9)
 
-    def _write_down(self, t: _Trained, busy: float, buffer_state: BufferState) -> RLRow:
-        """A trained step's metrics row and trace record; the row."""
+    def _write_down(self, t: _Trained, busy: float, buffer_state: BufferState) -> tuple[RLRow, dict[str, Any]]:
+        """A trained step's metrics row and trace record; the row, typed and as written (name -> value)."""
         current, metrics, batch = t.launched, t.metrics, t.launched.batch
         row = self._row(current, metrics, t.step_s, t.train_s, t.update_s, busy, buffer_state, t.eval_score,
                         t.teacher_busy_s)
-        self.metrics.log(row.as_dict())
+        values = row.as_dict()
+        self.metrics.log(values)
         self.metrics.log_samples(current.step, t.texts)
         self.trace.write(StepTrace(
             step=current.step, weight_version=metrics.weight_version, start_s=current.start_s, end_s=self._now(),
@@ -571,7 +572,7 @@ class Controller:
             staleness_max=batch.metrics.drawn_staleness_max, prompt_ids=current.prompt_ids,
             train_end_s=t.train_end_s))
         self.unrecorded = None
-        return row
+        return row, values
 
     def _row(self, current: _Launched, metrics: StepMetrics, step_s: float, train_s: float, update_s: float,
              busy: float, buffer_state: BufferState, eval_score: float | None,
