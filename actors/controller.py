@@ -120,6 +120,9 @@ __all__ = ["Controller", "EnginesLostError", "LocalSpawner", "Node", "RunLostErr
 
 log = logging.getLogger("miles_async.actors.controller")
 ASK_S = 600.0
+# What the fork server of the run's child processes imports (RuntimeConfig.preload): the modules of
+# the actors that run in processes (engines, trainer ranks), torch first.
+PRELOAD = ("torch", "miles_async.actors.engine", "miles_async.actors.trainer")
 WAIT_REPORT_S = 30.0  # a step waiting this long for data says what the buffer holds and dropped
 LAST_CHECKPOINT_S = 120.0  # a fatal error elsewhere: how long the last checkpoint may take
 
@@ -218,7 +221,7 @@ class Controller:
         self.tokenizer = checked.tokenizer  # the model's: the task's, and what observe.log_samples decodes with
         self.resume = resume
         self.show_progress = progress
-        self.runtime = runtime or RuntimeConfig(ask_timeout_s=ASK_S, spawn_timeout_s=120.0)
+        self.runtime = runtime or RuntimeConfig(ask_timeout_s=ASK_S, spawn_timeout_s=120.0, preload=PRELOAD)
         self.system = system  # given: a multi-node run's (the launcher owns it)
         self.nodes = nodes
         self.engine_api_key = engine_api_key  # required by the engines' HTTP API (multi-node: off loopback)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -218,7 +219,7 @@ class Supervisor:
             owner_address=self.system.address, directory=self.system.directory_address, bind=bind,
             config=self.system.config, key_dir=self.system.key_dir, sys_path=list(sys.path),
             log_level=logging.getLogger().getEffectiveLevel(), serve=self.serve, env=rec.env,
-            run_tag=segments.run_tag())
+            environ=dict(os.environ), owner_pid=os.getpid(), run_tag=segments.run_tag())
         rec.ready = self.system.loop.create_future()
         rec.exited = self.system.loop.create_future()
         rec.reported = None
@@ -226,7 +227,7 @@ class Supervisor:
         def start() -> multiprocessing.process.BaseProcess:
             # the spec travels pickled inside the arguments, so that the child names its process
             # before unpickling it imports the actor's module (child.main)
-            process = multiprocessing.get_context("spawn").Process(
+            process = child.context(self.system.config).Process(
                 target=child.main, args=(rec.name, bytes(ForkingPickler.dumps(spec))), name=f"miles-async:{rec.name}")
             process.start()
             return process

@@ -13,7 +13,9 @@ kernel releases it however the root ends, SIGKILL included, so a free lock means
 
 Who unlinks a segment, in the order it happens (each step a backstop for the one before):
 1. its creator, when the blob is freed or the weights are closed (the normal case);
-2. its creator at exit (`atexit`): whatever it still holds under its pid;
+2. its creator at exit (`atexit`; in a child process, multiprocessing's exit finalizers too: a
+   child forked by the fork server ends in `os._exit`, which skips `atexit`): whatever it still
+   holds under its pid;
 3. the parent system, when it sees a child process exit, however it exited (`reap_process`:
    `miles-<run>-<pid>-*`), so a SIGKILLed engine or trainer leaks nothing while the run goes on,
    and a respawned process does not pile up segments;
@@ -35,6 +37,7 @@ import atexit
 import contextlib
 import fcntl
 import logging
+import multiprocessing.util
 import os
 import re
 import secrets
@@ -108,6 +111,7 @@ def join_run(tag: str) -> None:
     if _tag is None:
         _tag, _owner_pid = tag, os.getpid()
         atexit.register(_reap_self)
+        multiprocessing.util.Finalize(None, _reap_self, exitpriority=0)  # once more is harmless
 
 
 def process_prefix(pid: int | None = None) -> str:

@@ -200,8 +200,7 @@ class ActorSystem:
         self._closed: asyncio.Event | None = None
         self._started = False
         self._closing = False
-        self._parent_pid = os.getppid()
-        self.watch_parent = False  # set in child processes: exit when the parent is gone
+        self._owner_pid: int | None = None  # a child process's owner, watched (watch_owner)
         self.main_actor: str | None = None  # in a child process: the actor it was started for
         self.dataplane: DataPlane = None  # type: ignore[assignment]  # made by start()
 
@@ -976,9 +975,30 @@ class ActorSystem:
                     self.supervisor.on_peer_lost(link.address, cause)
                 else:
                     self._ping(link)
-            if self.watch_parent and os.getppid() != self._parent_pid:
-                log.error("actor system %r: parent process is gone; shutting down", self.name)
-                self.run_background(self.close())
+            if self._owner_pid is not None and not _alive(self._owner_pid):
+                self._owner_gone()
+
+    def watch_owner(self, pid: int) -> None:
+        """Shut down when process `pid` (a child's owner) exits. A forked child's parent is the fork
+        server, not its owner, so the owner is watched by pid: through a pidfd, readable the moment
+        it exits, where Linux has them; else polled at each heartbeat."""
+        if pid <= 0:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # not Linux 5.3+, or not allowed: poll instead
+            self._owner_pid = pid
+            return
+        self.loop.add_reader(fd, self._owner_gone, fd)
+
+    def _owner_gone(self, fd: int | None = None) -> None:
+        if fd is not None:
+            self.loop.remove_reader(fd)
+            os.close(fd)
+        self._owner_pid = None
+        if not self._closing:
+            log.error("actor system %r: its owner process is gone; shutting down", self.name)
+            self.run_background(self.close())
 
     # -- the wire: hosting side -------------------------------------------------------------
 
@@ -1093,13 +1113,23 @@ class ActorSystem:
             raise RuntimeError(f"actor system {self.name!r} is not running (use `async with ActorSystem()`)")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, as another user
+    return True
+
+
 async def serve_child(spec: ChildSpec) -> int:
     """A child process's life once `child.main` has set it up (the `serve` of its `ChildSpec`):
     its own system, joined to its owner's run, serving the one actor it was started for."""
     system = ActorSystem(spec.name, config=spec.config, directory=spec.directory, bind=spec.bind,
                          key_dir=spec.key_dir)
     await system.start()
-    system.watch_parent = True
+    system.watch_owner(spec.owner_pid)
     gc.freeze()  # this process lives on: keep its start-up objects out of every later collection
     return await system.serve_main(spec)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
 
 import pytest
 from _actors import Add, Boom, Counter, CounterStats, FailsToStart, Get, GetEnv, Pid, Record, Stats
@@ -93,6 +94,43 @@ def test_a_child_process_gets_the_environment_it_was_spawned_with() -> None:
                 await system.spawn(Counter, "local", env={"X_TEST": "y"})
 
     scenario(main, TIMEOUT_S)
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_child_takes_the_owners_environment_as_it_is_when_the_child_starts(start_method: str, monkeypatch) -> None:
+    """A forked child's parent is the fork server, started with the first child: the second child
+    still sees a variable set after that (and not one removed), and dies with its owner (the
+    liveness tests kill owners); `spawn` gives the same answers from fresh interpreters."""
+    monkeypatch.setenv("X_BEFORE", "1")
+
+    async def main() -> None:
+        async with ActorSystem(config=config("ipc", start_method=start_method)) as system:
+            first = await system.spawn(Counter, "first", process=True)
+            monkeypatch.setenv("X_AFTER", "2")
+            monkeypatch.delenv("X_BEFORE")
+            second = await system.spawn(Counter, "second", process=True)
+            assert await second.ask(GetEnv(name="X_AFTER")) == "2"
+            assert await second.ask(GetEnv(name="X_BEFORE")) is None
+            assert await first.ask(GetEnv(name="X_BEFORE")) == "1"
+            pids = [await ref.ask(Pid()) for ref in (first, second)]
+            parents = {parent_of(pid) for pid in pids}
+            if start_method == "spawn":
+                assert parents == {os.getpid()}
+            else:  # both forked by one server, itself a child of this process
+                [server] = parents
+                assert server != os.getpid()
+                assert parent_of(server) == os.getpid()
+
+    scenario(main, TIMEOUT_S)
+
+
+def test_a_bad_start_method_is_refused() -> None:
+    with pytest.raises(ValueError, match="start_method must be 'forkserver' or 'spawn', got 'fork'"):
+        config("ipc", start_method="fork")
 
 
 def test_spawn_of_a_taken_name_reports_the_conflict() -> None:

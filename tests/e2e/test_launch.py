@@ -30,7 +30,9 @@ from _support_launch import (
     wait_engine,
     wait_steps,
 )
-from _support_run import SHORT
+from _support_run import SHORT, pids_alive, titled
+
+from miles_async.trainer import checkpoint
 
 
 def loopback_ok(host: str) -> bool:
@@ -167,18 +169,9 @@ def test_an_engine_process_killed_on_a_node_that_stays_is_started_again_there(tm
 
 
 def spawned_children(pid: int) -> list[int]:
-    """The run's worker processes a launcher started (its children named `miles-async: <actor>`,
-    not its resource tracker)."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (proc / "cmdline").read_bytes()
-        except (OSError, ValueError):
-            continue
-        if ppid == pid and cmdline.startswith(b"miles-async: "):
-            found.append(int(proc.name))
-    return found
+    """The run's worker processes a launcher started (named `miles-async: <actor>`; forked by its
+    fork server, so its grandchildren), not its resource tracker or the fork server itself."""
+    return list(titled(pids_alive(pid)).values())
 
 
 @pytest.mark.slow
@@ -219,10 +212,15 @@ def trainer_run(out: Path, num_steps: int, checkpoint_every: int) -> list[str]:
 
 def kill_trainer_rank(out: Path, args: list[str], rank: int, after_steps: int, *node0: str) -> list[subprocess.Popen]:
     """Start the run's two launchers (`node0`: more arguments for node 0's), SIGKILL trainer rank
-    `rank` once `after_steps` steps are written down; the launchers, still running."""
+    `rank` once `after_steps` steps are written down and a checkpoint is finished; the launchers,
+    still running."""
     port = free_port()
     procs = [launcher(0, 2, port, out, *args, *node0), launcher(1, 2, port, out, *args)]
     wait_steps(out, after_steps, 180, procs)
+    deadline = time.monotonic() + 60  # and a finished checkpoint to resume from: it is written
+    while checkpoint.latest(out / "checkpoints") is None:  # beside the steps, later on a loaded machine
+        assert time.monotonic() < deadline, "no finished checkpoint within 60 s"
+        time.sleep(0.1)
     ranks = spawned_children(procs[0].pid)
     assert len(ranks) == 2, ranks  # the two trainer ranks run on node 0
     victim = [pid for pid in ranks if Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0")
