@@ -270,21 +270,34 @@ async def run_other_node(args: Any, rdzv: Any, store: Any, host: str) -> int:
 
 
 def runtime_config(host: str, args: Any) -> Any:
+    from miles_async.actors.controller import PRELOAD
     from miles_async.runtime import RuntimeConfig
 
     timeout_s = args.heartbeat_timeout_s
     return RuntimeConfig(transport="tcp", host=host, curve=True,
                          run_dir=tempfile.mkdtemp(prefix=f"miles-async-node{args.node_rank}-"),
                          ask_timeout_s=600.0, spawn_timeout_s=300.0, heartbeat_timeout_s=timeout_s,
-                         heartbeat_interval_s=min(1.0, timeout_s / 4))
+                         heartbeat_interval_s=min(1.0, timeout_s / 4), preload=(*PRELOAD, "miles_async.launch.agent"))
 
 
 def main(args: Any) -> int:
     """The `launch` verb (its arguments parsed by `miles_async.launch.cli`)."""
+    from miles_async.launch.catalog import find_recipe
+
+    # Refused before the library is imported (seconds: torch and the actors): a node rank out of
+    # range, a recipe that is neither a file nor a shipped one.
+    if not 0 <= args.node_rank < args.nnodes:
+        print(f"{PROG}: --node-rank {args.node_rank} is outside 0..{args.nnodes - 1}", file=sys.stderr)
+        return 2
+    try:
+        recipe = find_recipe(args.recipe)  # a file, or a shipped recipe's name
+    except ValueError as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+
     from miles_async.actors.controller import RunLostError, RunSetupError
     from miles_async.actors.preflight import check_run
     from miles_async.actors.recipe import dump_recipe_toml, load_recipe
-    from miles_async.launch.catalog import find_recipe
     from miles_async.launch.console import log_level
     from miles_async.launch.rendezvous import RendezvousError, load_secret, rendezvous
     from miles_async.runtime import SpawnError
@@ -292,11 +305,7 @@ def main(args: Any) -> int:
 
     logging.basicConfig(level=log_level(args),
                         format=f"%(asctime)s %(levelname)s [node {args.node_rank}] %(name)s: %(message)s")
-    if not 0 <= args.node_rank < args.nnodes:
-        print(f"{PROG}: --node-rank {args.node_rank} is outside 0..{args.nnodes - 1}", file=sys.stderr)
-        return 2
     try:
-        recipe = find_recipe(args.recipe)  # a file, or a shipped recipe's name
         config = load_recipe(recipe, args.overrides)
         secret = b"" if args.dry_run else load_secret(args.secret_file)
     except (ValueError, OSError) as e:
