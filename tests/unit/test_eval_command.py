@@ -21,7 +21,7 @@ TIMEOUT_S = 30
 def dead(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"  # a zombie: killed, not yet reaped
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or during the read
         return True
 
 
