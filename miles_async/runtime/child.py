@@ -37,12 +37,13 @@ from miles_async.runtime.config import RuntimeConfig
 from miles_async.runtime.loop import run
 
 
-def context(config: RuntimeConfig) -> multiprocessing.context.BaseContext:
+def context(config: RuntimeConfig) -> multiprocessing.context.ForkServerContext | multiprocessing.context.SpawnContext:
     """The multiprocessing context children start from (`RuntimeConfig.start_method`). The fork
     server's preload list is the one of the owner's first child (it is read when the server starts)."""
-    ctx = multiprocessing.get_context(config.start_method)
-    if config.start_method == "forkserver":
-        ctx.set_forkserver_preload(["miles_async.runtime.system", *config.preload])  # type: ignore[attr-defined]
+    if config.start_method == "spawn":
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["miles_async.runtime.system", *config.preload])
     return ctx
 
 
