@@ -47,12 +47,8 @@ while another version is selected). torch is the hard part:
 The setup takes about two minutes on a fresh machine; the unit tests then run as in `.venv`.
 
 `typecheck` runs mypy from `.venv` over the packages pyproject.toml's `[tool.mypy]` names, with
-that configuration; its exit status is mypy's. mypy cannot follow the editable install's import
-hook, through which `miles_async.actors` and the other top-level folders of
-`[tool.setuptools.package-dir]` exist, so it runs in `.typecheck/`, where `miles_async/` is a tree
-of symlinks laid out like the installed package: each entry of `miles_async/`, and each mapped
-folder under its package name. The tree is rebuilt on every run (a new file needs no step); mypy's
-cache is `.mypy_cache/`. About 15 s from a cold cache.
+that configuration, in the repository's root (every package is a folder under `miles_async/`);
+its exit status is mypy's. mypy's cache is `.mypy_cache/`. About 15 s from a cold cache.
 
 `vllm` sets up `.venv-vllm`, the environment that miles_async.engine.vllm starts vLLM from (its
 own: vLLM pins its own transformers): VLLM (the CPU build) over this machine's torch 2.13.0+cpu
@@ -106,7 +102,6 @@ VLLM_TORCH = "torch==2.13.0+cpu"  # the exact torch VLLM requires: the CPU wheel
 VLLM_STRAYS = ["torchvision", "torchaudio", "torchcodec"]  # pulled in by VLLM, built for another torch
 VERIFIERS = "verifiers==0.4.0"  # pyproject.toml's [verifiers] extra; named here for the stamp and the messages
 VERIFIERS_TEST_ENV = "tests/data/verifiers_calc"  # the Verifiers environment the tests ship (a package)
-TYPECHECK = ROOT / ".typecheck"  # mypy's view of the installed layout (docstring)
 WORKERS = 4  # `test`: the most pytest-xdist workers (one per two cores up to this; parallel_options)
 USAGE = ("usage: python3 dev.py {demo [RECIPE] [key=value ...],test [--python 3.10] [PYTEST ARGS...],typecheck [MYPY ARGS...],docs [MKDOCS ARGS...],"
          "vllm,verifiers}")
@@ -380,35 +375,8 @@ def ensure_verifiers_venv(venv: Venv = VERIFIERS_VENV) -> None:
     say(f"{venv.name} ready")
 
 
-def mapped_folders() -> dict[str, str]:
-    """`[tool.setuptools.package-dir]`'s top-level folders installed under miles_async, as
-    {"actors": "actors", ...}; read with a pattern (tomllib is Python 3.11+)."""
-    text = (ROOT / "pyproject.toml").read_text()
-    return dict(re.findall(r'^"miles_async\.(\w+)" = "([\w/]+)"$', text, re.MULTILINE))
-
-
-def build_typecheck_tree() -> Path:
-    """`.typecheck/miles_async`, rebuilt: a symlink to each entry of `miles_async/`, and one to each
-    mapped folder under its package name (docstring). Returns the folder to run mypy in."""
-    mapped = mapped_folders()
-    if not mapped:
-        sys.exit("[dev.py] pyproject.toml's [tool.setuptools.package-dir] maps no folder under miles_async")
-    tree = TYPECHECK / "miles_async"
-    if tree.is_symlink() or tree.is_file():
-        tree.unlink()
-    elif tree.exists():
-        shutil.rmtree(tree)  # removes the links, never what they point to
-    tree.mkdir(parents=True)
-    for entry in sorted((ROOT / "miles_async").iterdir()):
-        if entry.name != "__pycache__":
-            (tree / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
-    for name, folder in mapped.items():
-        (tree / name).symlink_to(ROOT / folder, target_is_directory=True)
-    return TYPECHECK
-
-
 def build_docs(args: list[str]) -> int:
-    """`docs`: the generated reference pages checked against the code (launch/reference.py: a stale
+    """`docs`: the generated reference pages checked against the code (miles_async/launch/reference.py: a stale
     page fails, naming the command that rewrites it), then `mkdocs build --strict` into site/
     (a broken link or anchor, or a page missing from mkdocs.yml's nav, fails). ARGS go to mkdocs."""
     ensure_venv(MAIN)
@@ -426,8 +394,7 @@ def precompile(venv: Venv) -> None:
     """Compile the project's modules to bytecode (a second or two): the suite starts hundreds of
     processes, and where PYTHONDONTWRITEBYTECODE is set (or the tree is fresh) each would compile
     what it imports from source again. compileall writes the caches whatever that variable says."""
-    folders = [name for name in ("miles_async", *mapped_folders().values()) if (ROOT / name).is_dir()]
-    check([venv.python, "-m", "compileall", "-q", *folders])
+    check([venv.python, "-m", "compileall", "-q", str(ROOT / "miles_async")])
 
 
 def parallel_options(args: list[str]) -> list[str]:
@@ -483,10 +450,8 @@ def main(argv: list[str]) -> int:
         return 0
     if verb == "typecheck":
         ensure_venv(MAIN)
-        folder = build_typecheck_tree()
-        say(f"running mypy in {folder.relative_to(ROOT)} with pyproject.toml's [tool.mypy] {' '.join(rest)}".rstrip())
-        return subprocess.call([str(MAIN.python), "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
-                                *rest], cwd=folder)
+        say(f"running mypy with pyproject.toml's [tool.mypy] {' '.join(rest)}".rstrip())
+        return subprocess.call([str(MAIN.python), "-m", "mypy", *rest], cwd=ROOT)
     if verb == "docs":
         return build_docs(rest)
     wanted, rest = split_python_option(rest)

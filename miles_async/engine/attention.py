@@ -6,7 +6,7 @@ absolute position. `build_plan` turns the step's schedule into index tensors onc
 every layer, `PagedAttention`
   1. writes the new k/v into their slots (one `index_copy_` each; the fused kernel below does it
      in its own call),
-  2. on a CPU whose fused kernels built (kernels/cpu_kernels.py; `build_plan(per_token=True)`):
+  2. on a CPU whose fused kernels built (miles_async/kernels/cpu_kernels.py; `build_plan(per_token=True)`):
      attends every query of the step in one kernel call, each token a row of its own that reads
      its request's first position + 1 keys and values in place through the block table: causal
      without a mask, nothing gathered, nothing padded, decoding and prefilling alike;

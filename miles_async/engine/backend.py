@@ -12,12 +12,12 @@ version of every output token (spans) and, for an MoE model, the routed experts 
 which kind a run uses is `[rollout] backend`. `GenerateParams` and `PauseMode` are defined in
 engine/client.py, beside `EngineOutput`, so that engine/vllm.py needs nothing from here.
 
-Weight updates are not here: they go through the engine's actor (`actors/engine.py` for the
-embedded engine, `actors/external.py` for a server of another project), which owns the server
+Weight updates are not here: they go through the engine's actor (`miles_async/actors/engine.py` for the
+embedded engine, `miles_async/actors/external.py` for a server of another project), which owns the server
 process. The external one drives them through `WeightAdmin`: SGLang's `/update_weights_from_disk`,
 vLLM's in-place reload; both answer prompt log-probs for the probe that verifies an update.
 `SGLangBackend` also speaks SGLang's weight-update group (join, begin, receive per bucket, end,
-leave: the distributed transport, actors/distributed.py).
+leave: the distributed transport, miles_async/actors/distributed.py).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class EngineBackend(Protocol):
 
 @runtime_checkable
 class WeightAdmin(Protocol):
-    """The weight calls an external engine's actor makes (actors/external.py)."""
+    """The weight calls an external engine's actor makes (miles_async/actors/external.py)."""
 
     async def reload_weights(self, folder: str, label: str, *, flush_cache: bool = True) -> None:
         """Load the safetensors files under `folder` (checkpoint names, with the model's config.json)
@@ -187,7 +187,7 @@ class SGLangBackend:
                 raise
         _succeeded(await self.client.load_lora_adapter(name, path), "/load_lora_adapter")
 
-    # ----- SGLang's weight-update group: the distributed transport (actors/distributed.py) -----
+    # ----- SGLang's weight-update group: the distributed transport (miles_async/actors/distributed.py) -----
 
     async def group_ranks(self) -> int:
         """The ranks this server puts in a weight-update group: one per tensor-parallel rank."""

@@ -31,7 +31,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # The weights' and activations' dtype: of an `EngineActor`'s model (a run's engines) and of
     # `Engine.from_pretrained`'s; `Engine(model)` serves the model it is given as it is. "auto":
     # bfloat16 where the engine's device computes it natively (a GPU from Ampere on, a CPU with
-    # AVX512-BF16 or AMX), else float32 (kernels/precision.py).
+    # AVX512-BF16 or AMX), else float32 (miles_async/kernels/precision.py).
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     # True on-policy mode: the paged attention and the model (the engine switches the model it is
     # given) run batch-invariant kernels, so a token's log-prob equals the trainer's, in the same
@@ -46,12 +46,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # straight into them (the shm transport). CPU memory: device "cpu" only.
     shared_weights: bool = False
     # On a CPU, run the linear layers from copies of their weights prepacked for oneDNN
-    # (kernels/onednn.py: ~2x faster decode matmuls at small batches), made again after every
+    # (miles_async/kernels/onednn.py: ~2x faster decode matmuls at small batches), made again after every
     # weight update; costs the weights' bytes once more. Off in batch-invariant mode, and where
     # this torch build or dtype cannot (then the plain path runs).
     prepack_weights: bool = True
     # On a CPU, run RMSNorm, rotary embedding, attention (straight over the paged KV
-    # blocks, no gather) and greedy sampling through fused kernels (kernels/cpu_kernels.py,
+    # blocks, no gather) and greedy sampling through fused kernels (miles_async/kernels/cpu_kernels.py,
     # compiled once per machine with the system's C++ compiler; without one, the plain torch ops
     # run). Off in batch-invariant mode.
     fused_cpu_kernels: bool = True
@@ -64,7 +64,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # base and serves base + adapter merged into each layer's weight (made again before the first
     # step after every update), so decoding runs one matmul per layer as without adapters.
     lora: LoraConfig = LoraConfig()
-    # Hold and serve the attention and MLP projections in a quantized format (kernels/quant.py:
+    # Hold and serve the attention and MLP projections in a quantized format (miles_async/kernels/quant.py:
     # "fp8_block", "mxfp8", "nvfp4", "int4"): the engine keeps only the format's tensors
     # (CausalLM.hold_quantized), which are what weight updates carry (a pusher quantizes once, on
     # the trainer's side; a full-precision weight that arrives is quantized on arrival). The

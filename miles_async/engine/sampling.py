@@ -149,7 +149,7 @@ def sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row; return (token_ids_R, logprobs_R).
 
-    `fused=True` (a CPU engine with the fused kernels, kernels/cpu_kernels.py): rows that are all
+    `fused=True` (a CPU engine with the fused kernels, miles_async/kernels/cpu_kernels.py): rows that are all
     greedy take argmax and log-prob in one pass over the logits as they are (bf16 too), equal to
     the eager path's up to the order of a float32 sum.
 

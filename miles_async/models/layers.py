@@ -87,7 +87,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(width))
         self.eps = eps
 
-    fused = False  # set by CausalLM.use_cpu_kernels: one kernel (kernels/cpu_kernels.py), inference only
+    fused = False  # set by CausalLM.use_cpu_kernels: one kernel (miles_async/kernels/cpu_kernels.py), inference only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused and not x.requires_grad:

@@ -267,7 +267,7 @@ class CausalLM(nn.Module):
 
     def use_cpu_kernels(self, enabled: bool = True) -> None:
         """Run RMSNorm, rotary embedding and (with prepacked weights) the MLP's silu(gate) * up
-        through the fused CPU kernels (kernels/cpu_kernels.py) in forwards without autograd, or
+        through the fused CPU kernels (miles_async/kernels/cpu_kernels.py) in forwards without autograd, or
         stop (`enabled=False`). Raises ValueError where they cannot run: not a CPU, a dtype other
         than fp32/bf16, no compiler."""
         if enabled:

@@ -20,7 +20,7 @@ None is not in the row. Adding a metric is a field there and its meaning here in
 tests/unit/test_observe_logs.py checks that each field has its line and each line its field.
 
 Print the table: `python -m miles_async.observe.names` (markdown); docs/reference/metrics.md is
-generated from it (launch/reference.py).
+generated from it (miles_async/launch/reference.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The run trace: what happened, when, on which engine, at which weight version.
 
 `RUN_DIR/trace.jsonl` holds one JSON object per line, each tagged by its `kind` field. It is the
-input of the simulator (`sim/`): replaying a real run's timings against the real policies on a
+input of the simulator (`miles_async/sim/`): replaying a real run's timings against the real policies on a
 virtual clock is how a scheduling change is judged before it is run. So the schema is a
 contract: new fields are appended with defaults, fields are never renamed or retyped.
 

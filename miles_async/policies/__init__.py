@@ -5,7 +5,7 @@ the buffer, the refill scheduler and the simulator. `buffer`: which finished gro
 (aborted, filtered, stale: retried or discarded) or hand to the trainer, bounded, with per-step
 metrics. `refill`: sample- (or group-) level refill, which prompt sample to generate next and on which
 engine.
-No I/O, no sleeping and no sockets here: the actors wrap these, and `sim/` drives them on a
+No I/O, no sleeping and no sockets here: the actors wrap these, and `miles_async/sim/` drives them on a
 `VirtualClock`.
 """
 

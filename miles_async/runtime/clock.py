@@ -1,7 +1,7 @@
 """Clocks for policy code: `RealClock` for runs, `VirtualClock` for the simulator and tests.
 
 Policy code (scheduling, admission, staleness) takes a `Clock` instead of calling `time.time()`
-or `asyncio.sleep`, so `sim/` can drive the very same code on virtual time and tests never sleep.
+or `asyncio.sleep`, so `miles_async/sim/` can drive the very same code on virtual time and tests never sleep.
 
     clock = VirtualClock()
     task = asyncio.ensure_future(policy(clock))   # policy awaits clock.sleep(5.0)

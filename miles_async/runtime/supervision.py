@@ -3,7 +3,7 @@
 The decision is a pure function of the policy and the times of recent restarts, so it can be
 tested (and simulated) without a clock: `policy.next_delay(restart_times, now)` returns the
 backoff before the next restart, or None to give up. `RestartBudget` keeps those restart times
-for several actors, for an owner that restarts them itself (the run's engines: actors/liveness.py).
+for several actors, for an owner that restarts them itself (the run's engines: miles_async/actors/liveness.py).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # The matmuls' dtype: "bfloat16" runs the model's forward and backward under torch.autocast
     # (mixed precision: fp32 master weights, AdamW state and gradients; bf16 matmuls, 4x the fp32
     # rate on a CPU with AVX512-BF16), while the log-probs over the vocabulary stay in fp32. "auto":
-    # "bfloat16" where the rank's device computes bf16 natively (kernels/precision.py), the weights
+    # "bfloat16" where the rank's device computes bf16 natively (miles_async/kernels/precision.py), the weights
     # are float32 and batch_invariant is off; else "float32" (emulated bf16 is slower than fp32).
     compute_dtype: str = "float32"
     backend: str = "auto"  # torch.distributed's: "gloo", "nccl" or "auto" (NCCL with CUDA, else gloo)
@@ -82,7 +82,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # attention and MLP projections only (optimizer state for them alone); the weight pushes then
     # move the adapters alone, the engines merging them into a copy of the base.
     lora: LoraConfig = LoraConfig()
-    # Quantization-aware training (kernels/quant.py): the attention and MLP projections run as an
+    # Quantization-aware training (miles_async/kernels/quant.py): the attention and MLP projections run as an
     # engine serving that rollout.engine.weight_format runs them (the weights as the format holds
     # them; fp8_block and mxfp8 also their activations), so that the rollout's quantized model is
     # the one trained (with batch-invariant kernels on both sides the mismatch is then 0);
@@ -94,14 +94,14 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True):
     # the step, so that the state takes two buckets of memory whatever the model's size. With dtype
     # "bfloat16" the file also holds fp32 master weights (mixed precision with no fp32 weights in
     # memory: 12 bytes a parameter on disk, not 4 of bf16 moments in memory); the step then costs the
-    # disk's time to read and write that state once (bench/optimizer.py measures it).
+    # disk's time to read and write that state once (miles_async/bench/optimizer.py measures it).
     optimizer_offload: Literal["none", "disk"] = "none"
     # The folder of that file ("" = the system's temporary folder); each rank makes its own nameless
     # file there, gone when the rank exits. Give a real disk: on tmpfs the "disk" is memory.
     optimizer_dir: str = ""
     # State bytes of one bucket (8 an element, 12 with the master): 2 x this is the optimizer's memory
     # during a step; larger buckets mean fewer, larger I/O calls (at 64 MiB a 1B-parameter bf16
-    # model's step ran at 1.25x the disk's bound, bench/optimizer.py).
+    # model's step ran at 1.25x the disk's bound, miles_async/bench/optimizer.py).
     optimizer_bucket_mib: float = 64.0
     # The draft head of speculative decoding (models/draft.py; rollout.engine.speculative_tokens):
     # "none": the model has none; "online": it is trained in every step on the step's own samples

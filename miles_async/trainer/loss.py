@@ -10,7 +10,7 @@
   all-gathered around it and their gradients reduce-scattered after the backward, exactly as for
   `forward`. With `TrainerConfig.compute_dtype = "bfloat16"` the backbone runs under
   torch.autocast (bf16 matmuls over the fp32 weights) and the log-probs are taken in fp32, from
-  vocabulary matmuls that on a CPU may take bf16 inputs (`bf16_matmuls`, kernels/logprobs.py:
+  vocabulary matmuls that on a CPU may take bf16 inputs (`bf16_matmuls`, miles_async/kernels/logprobs.py:
   the hidden states are bf16 values already) but keep fp32 logits.
 - `micro_batch_loss` is the loss of one packed micro-batch (`TrainerConfig.objective`): the RL
   policy loss (PPO clip + dual clip, TIS against the rollout log-probs, KL to the reference

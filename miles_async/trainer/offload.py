@@ -26,7 +26,7 @@ however it dies (its space shows in `df`, not in `ls`). Its whole size is reserv
 Buffered I/O by default: the kernel's page cache, memory it may take back, absorbs what fits, and
 the process's own memory stays at two buckets. `drop_page_cache=True` syncs each bucket written and
 evicts what it read or wrote, so that the state really is on disk (its cost is the disk's
-write rate; `bench/optimizer.py` measures both).
+write rate; `miles_async/bench/optimizer.py` measures both).
 
 Checkpoints (`trainer/checkpoint.py`, torch.distributed.checkpoint's `get_state_dict`): the state
 dict holds, per parameter, torch AdamW's "step", "exp_avg" and "exp_avg_sq" (fp32), plus "master"

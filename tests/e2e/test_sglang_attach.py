@@ -5,7 +5,7 @@ engine`), which serves SGLang's shapes (tests/e2e/test_sglang_conformance.py che
 SGLang's own source). The run reaches it only as it would reach SGLang: generation through
 `SGLangBackend`, updates through `/update_weights_from_disk` with a version label, verified by the
 probe over `/generate`'s input log-probs; or, with `weights.transport = "distributed"`, through
-SGLang's weight-update group (actors/distributed.py), every update verified by the same probe.
+SGLang's weight-update group (miles_async/actors/distributed.py), every update verified by the same probe.
 """
 
 from __future__ import annotations

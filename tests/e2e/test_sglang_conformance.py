@@ -283,7 +283,7 @@ async def exercise_client(url: str) -> set[str]:
     for name, call in (("abort", backend.abort("b")), ("abort_all", backend.abort()), ("pause", backend.pause("retract")),
                        ("resume", backend.resume()), ("flush_cache", backend.flush_cache()),
                        ("health", backend.health()), ("group_ranks", backend.group_ranks()),
-                       # the distributed transport's conversation (actors/external.py), every field set
+                       # the distributed transport's conversation (miles_async/actors/external.py), every field set
                        ("join_weight_group", backend.join_weight_group("127.0.0.1", 1, 1, 2, "g", "gloo")),
                        ("begin_weight_update", backend.begin_weight_update()),
                        ("receive_weights", backend.receive_weights(
@@ -292,13 +292,13 @@ async def exercise_client(url: str) -> set[str]:
                        ("leave_weight_group", backend.leave_weight_group("g"))):
         await call
     await backend.close()
-    # LoRA pushed as adapters (actors/external.py): every request names the adapter, which is
+    # LoRA pushed as adapters (miles_async/actors/external.py): every request names the adapter, which is
     # replaced by unloading and loading it again
     lora = SGLangBackend(url, adapter="policy-lora")
     await lora.generate([1, 2], params, version=0, rid="l1")
     _ = [o async for o in lora.generate_stream([1, 2], params, version=0, rid="l2")]
     await lora.load_adapter("policy-lora", "/adapters/v1")
-    # a distillation teacher's scoring request (actors/teacher.py): prefill only, log-probs from a start
+    # a distillation teacher's scoring request (miles_async/actors/teacher.py): prefill only, log-probs from a start
     assert await lora.score([1, 2, 3], 2) == [-0.5]
     await lora.close()
     async with EngineClient(url) as client:

@@ -98,7 +98,7 @@ def test_sampled_tokens_come_with_their_log_probs_under_our_model(server, tied_m
 
 @pytest.mark.timeout(120)
 def test_a_vllm_teacher_scores_a_trajectory_as_our_model_does(server, tied_model):
-    """On-policy distillation's scoring stage (actors/teacher.py) with vLLM as the teacher: its
+    """On-policy distillation's scoring stage (miles_async/actors/teacher.py) with vLLM as the teacher: its
     prompt log-probs of the sample's tokens from the first generated one, off-mask zeros."""
     from miles_async.actors.teacher import Score, TeacherScorer
     from miles_async.trajectory import TokenData, Trajectory

@@ -1,4 +1,4 @@
-"""The quantizers on CUDA against the CPU reference (kernels/quant.py): the same torch ops on the
+"""The quantizers on CUDA against the CPU reference (miles_async/kernels/quant.py): the same torch ops on the
 GPU must give the same bytes (values, scales, packed nibbles) as on the CPU, bit for bit; an engine
 serving a quantized format on the GPU answers as the CPU engine does; and the hardware's own FP8
 matmul (`torch._scaled_mm`, Hopper and later), fed our E4M3 values and per-row scales, gives what

@@ -1,4 +1,4 @@
-"""bench/limits.py: the weights a step multiplies and reads, counted on the model's modules, match
+"""miles_async/bench/limits.py: the weights a step multiplies and reads, counted on the model's modules, match
 the hand formula and the checkpoint's own tensors; the bounds divide them by the measured rates."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (kernels/cpu_kernels.py) against the eager torch code they replace.
+"""The fused CPU kernels (miles_async/kernels/cpu_kernels.py) against the eager torch code they replace.
 
 Stated tolerances: rotary bit for bit in bf16 (every intermediate rounded where the eager code
 rounds), RMSNorm within one bf16 unit in the last place (bit for bit here), both within 1e-5 in

@@ -1,4 +1,4 @@
-"""The `distributed` weight transport's own logic (actors/distributed.py): rank offsets, the request
+"""The `distributed` weight transport's own logic (miles_async/actors/distributed.py): rank offsets, the request
 fields of each bucket, SGLang's wire from rank 0 over a real gloo group, and what the recipe and the
 pusher refuse. The whole path in a run: tests/e2e/test_sglang_attach.py."""
 

@@ -1,4 +1,4 @@
-"""The docs' generated reference pages (launch/reference.py) against the code they are made from.
+"""The docs' generated reference pages (miles_async/launch/reference.py) against the code they are made from.
 
 docs/reference/{recipe,cli,metrics}.md are committed; these tests fail when one differs from what
 the structs, the argument parser and the metric table say now (a default changed, a key added, a

@@ -1,7 +1,7 @@
 """The engine's fast CPU paths against its plain ones: linears from prepacked oneDNN weights
-(`EngineConfig.prepack_weights`, kernels/onednn.py), the fused kernels (`fused_cpu_kernels`:
+(`EngineConfig.prepack_weights`, miles_async/kernels/onednn.py), the fused kernels (`fused_cpu_kernels`:
 RMSNorm, rotary, attention of decoding and prompt tokens over the blocks in place,
-kernels/cpu_kernels.py), and attention as batched matmuls (`matmul_attention`, for decoding groups
+miles_async/kernels/cpu_kernels.py), and attention as batched matmuls (`matmul_attention`, for decoding groups
 and short bf16 chunks) instead of SDPA.
 
 Stated tolerances: greedy outputs identical, token for token; the reported log-probs within 1e-5

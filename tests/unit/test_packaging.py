@@ -43,6 +43,15 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
     )
 
 
+def test_no_python_package_sits_at_the_repository_root() -> None:
+    # Anything started in the root of a clone has the root on sys.path, where a package folder
+    # shadows the PyPI package of its name: a top-level `kernels/` once broke transformers, which
+    # imports Hugging Face's `kernels`. Only miles_async/ and the data-only recipes/ may be packages.
+    packages = {path.parent.name for path in ROOT.glob("*/__init__.py")}
+    assert packages <= {"miles_async", "recipes"}, f"move under miles_async/: {sorted(packages - {'miles_async', 'recipes'})}"
+    assert not {path.name for path in (ROOT / "recipes").glob("*.py")} - {"__init__.py"}
+
+
 def test_the_extras_page_lists_exactly_the_optional_extras() -> None:
     # A hand-written extras table once promised extras (megatron, te) that no code used.
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]

@@ -1,4 +1,4 @@
-"""dtype "auto" (kernels/precision.py): bfloat16 where the device computes bf16 natively, else
+"""dtype "auto" (miles_async/kernels/precision.py): bfloat16 where the device computes bf16 natively, else
 float32, for the engine (`EngineConfig.dtype`) and the trainer (`TrainerConfig.compute_dtype`).
 
 Which answer the CPU gives is the CPU's own (oneDNN's report of AVX512-BF16/AMX): the tests

@@ -1,4 +1,4 @@
-"""kernels/quant.py against values worked out by hand from the formats' definitions (OCP FP8 and
+"""miles_async/kernels/quant.py against values worked out by hand from the formats' definitions (OCP FP8 and
 Microscaling v1.0, NVIDIA's NVFP4, symmetric INT4), and against torch's float8 dtypes."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""run_state.json (actors/run_state.py): a resume reads the checkpoints of older runs, with the keys
+"""run_state.json (miles_async/actors/run_state.py): a resume reads the checkpoints of older runs, with the keys
 the file always had, and cuts the logs back only to lengths the checkpoint recorded."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""sim/simulate.py: the discrete-event loop, checked against answers worked out by hand.
+"""miles_async/sim/simulate.py: the discrete-event loop, checked against answers worked out by hand.
 
 Most tests use a tiny fixed workload (`Fixed`: output lengths by sample index, rewards alternating
 by index so the nonzero_std filter keeps every group) and cost models whose numbers make the

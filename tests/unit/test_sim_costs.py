@@ -1,4 +1,4 @@
-"""sim/costs.py and sim/report.py: the cost models, their fit, and the numbers a run is judged by.
+"""miles_async/sim/costs.py and miles_async/sim/report.py: the cost models, their fit, and the numbers a run is judged by.
 
 Hand-made traces (written and loaded like a real one) give `engine_concurrency` and `measure`
 answers computed by hand; a simulated run with known costs, written as a trace and fitted back,

@@ -1,4 +1,4 @@
-"""sim/trace.py: loading, segments, rebasing and the checks of a run's trace.jsonl."""
+"""miles_async/sim/trace.py: loading, segments, rebasing and the checks of a run's trace.jsonl."""
 
 from __future__ import annotations
 
