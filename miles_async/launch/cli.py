@@ -130,7 +130,6 @@ def _init_model(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _serve_engine(args: argparse.Namespace, extra: list[str]) -> int:
-    from miles_async.engine.server import main as serve_engine
     from miles_async.models.hub import resolve_model
 
     try:  # a folder, or a Hub id's snapshot (downloaded into the Hugging Face cache if needed and allowed)
@@ -140,6 +139,8 @@ def _serve_engine(args: argparse.Namespace, extra: list[str]) -> int:
         return 2
     if model.commit:
         print(f"{PROG} serve engine: {model.describe()}", file=sys.stderr)
+    from miles_async.engine.server import main as serve_engine  # after the model is found: it imports torch
+
     return serve_engine(str(model.folder), args.host, args.port,
                         api_key=args.api_key or os.environ.get("MILES_ASYNC_API_KEY"),
                         kv_cache_mib=args.kv_cache_mib, max_running_requests=args.max_running_requests,
@@ -285,8 +286,6 @@ def _serve_session(args: argparse.Namespace, extra: list[str]) -> int:
     import json
     import urllib.request
 
-    from miles_async.agents.session import main as serve_session
-
     model, served = args.model, args.served_model_name
     if model is not None:  # a folder, or a Hub id's snapshot (its config and tokenizer files: no weights)
         from miles_async.models.hub import resolve_model
@@ -315,6 +314,8 @@ def _serve_session(args: argparse.Namespace, extra: list[str]) -> int:
         if not model:
             print(f"{PROG} serve session: {args.engine[0]} reports no tokenizer; give --model DIR", file=sys.stderr)
             return 2
+    from miles_async.agents.session import main as serve_session  # after the checks: it imports torch
+
     return serve_session(args.engine, model, args.host, args.port, served_model_name=served)
 
 

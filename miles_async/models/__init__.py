@@ -19,13 +19,41 @@ The interface between this package and the engine is written down in the module 
     logits_BTV = model(torch.tensor([tokenizer.encode("What is 2 + 2?")]))
 """
 
-from miles_async.models.attention import AttentionBackend, DenseCausalAttention
-from miles_async.models.config import FAMILIES, ROPE_TYPES, ModelConfig
-from miles_async.models.loading import load_pretrained, read_state_dict, save_pretrained
-from miles_async.models.random_init import PRESETS, init_model
-from miles_async.models.smollm2 import SmolLM2Unavailable, smollm2_checkpoint
-from miles_async.models.tokenizer import Tokenizer, build_tokenizer, load_tokenizer
-from miles_async.models.transformer import CausalLM, is_projection
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from miles_async.models.attention import AttentionBackend, DenseCausalAttention
+    from miles_async.models.config import FAMILIES, ROPE_TYPES, ModelConfig
+    from miles_async.models.loading import load_pretrained, read_state_dict, save_pretrained
+    from miles_async.models.random_init import PRESETS, init_model
+    from miles_async.models.smollm2 import SmolLM2Unavailable, smollm2_checkpoint
+    from miles_async.models.tokenizer import Tokenizer, build_tokenizer, load_tokenizer
+    from miles_async.models.transformer import CausalLM, is_projection
+
+# Each name from the module that holds it, imported at its first use: `miles_async.models.hub` and
+# `.config` are read by commands that refuse bad input before anything imports torch.
+_HOME = {
+    "AttentionBackend": "attention", "DenseCausalAttention": "attention",
+    "FAMILIES": "config", "ROPE_TYPES": "config", "ModelConfig": "config",
+    "load_pretrained": "loading", "read_state_dict": "loading", "save_pretrained": "loading",
+    "PRESETS": "random_init", "init_model": "random_init",
+    "SmolLM2Unavailable": "smollm2", "smollm2_checkpoint": "smollm2",
+    "Tokenizer": "tokenizer", "build_tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
+    "CausalLM": "transformer", "is_projection": "transformer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "FAMILIES",

@@ -74,6 +74,7 @@ def test_help_of_each_verb(verb: str) -> None:
     ("sim", "miles-async sim: give a TRACE.jsonl to replay, or --synthetic NAME"),
     ("serve session --engine http://127.0.0.1:9", "cannot ask http://127.0.0.1:9 for its model"),
     ("serve session --engine http://127.0.0.1:9 --model no/such/dir", "--model 'no/such/dir' does not exist"),
+    ("serve engine --model no/such/dir", "miles-async serve engine: --model 'no/such/dir' does not exist"),
 ])
 def test_run_and_plot_refuse_bad_input_clearly(command_line: str, message: str) -> None:
     result = miles_async(*command_line.split())

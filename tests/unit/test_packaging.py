@@ -64,8 +64,11 @@ def test_the_extras_page_lists_exactly_the_optional_extras() -> None:
     }
 
 def test_import_is_light() -> None:
+    # The command line and what its refusals read (a model folder or Hub id, a recipe's name) come
+    # without torch: a bad --model is refused in a fraction of a second, not after torch's import.
     code = (
-        "import sys, miles_async, miles_async.launch.cli\n"
+        "import sys, miles_async, miles_async.launch.cli, miles_async.launch.catalog, miles_async.models.hub\n"
+        "from miles_async.models import ModelConfig\n"
         "heavy = sorted({'torch', 'zmq', 'ray'} & set(sys.modules))\n"
         "assert not heavy, heavy\n"
     )
