@@ -10,3 +10,12 @@ updates), `weights.WeightPusher` (each version to the engines over the recipe's 
 controller that wires them (`controller.Controller`, `miles-async run`) and the recipe format
 (`recipe.load_recipe`).
 """
+
+# What the fork server of a run's child processes imports (RuntimeConfig.preload): the modules of
+# the actors that run in processes (engines, trainer ranks), torch first, and what a trainer rank
+# imports at its first shard and checkpoint (FSDP2, DTensor and torch.distributed.checkpoint: the
+# command's own process never needs them). Here rather than in
+# controller.py so that the command line can start the server before it imports the controller
+# (runtime/child.py, start_fork_server).
+PRELOAD = ("torch", "miles_async.actors.engine", "miles_async.actors.trainer", "torch.distributed.fsdp",
+           "torch.distributed.checkpoint")

@@ -73,6 +73,7 @@ from typing import Any
 
 import msgspec
 
+from miles_async.actors import PRELOAD
 from miles_async.actors.buffer import Batch, BufferState, BufferStats, GetBatch, ReleaseBatch
 from miles_async.actors.engine import ReleaseMemory, ResumeMemory
 from miles_async.actors.evaluation import Evaluator, as_hf_folder
@@ -120,9 +121,6 @@ __all__ = ["Controller", "EnginesLostError", "LocalSpawner", "Node", "RunLostErr
 
 log = logging.getLogger("miles_async.actors.controller")
 ASK_S = 600.0
-# What the fork server of the run's child processes imports (RuntimeConfig.preload): the modules of
-# the actors that run in processes (engines, trainer ranks), torch first.
-PRELOAD = ("torch", "miles_async.actors.engine", "miles_async.actors.trainer")
 WAIT_REPORT_S = 30.0  # a step waiting this long for data says what the buffer holds and dropped
 LAST_CHECKPOINT_S = 120.0  # a fatal error elsewhere: how long the last checkpoint may take
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import msgspec
 
+from miles_async.actors import PRELOAD
 from miles_async.actors.evaluation import as_hf_folder
 from miles_async.actors.preflight import model_and_tokenizer
 from miles_async.actors.recipe import DERIVED, ModelSection, load_struct, recipe_toml
@@ -47,7 +48,7 @@ from miles_async.actors.trainer import ExportWeights, LoadCheckpoint, SaveCheckp
 from miles_async.actors.warmstart import as_samples, lent_to_dataplane, sft_step
 from miles_async.observe import ObserveConfig, Progress, check_trackers, open_trackers
 from miles_async.observe.logs import MetricsLog, roll_back
-from miles_async.runtime import ActorSystem
+from miles_async.runtime import ActorSystem, RuntimeConfig
 from miles_async.runtime.dataplane import DataPlane
 from miles_async.sft import SFTData, SFTDataConfig, load_sft_data
 from miles_async.trainer import checkpoint
@@ -195,7 +196,7 @@ class SFTRun:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stop.set)
         try:
-            async with ActorSystem("sft") as system:
+            async with ActorSystem("sft", config=RuntimeConfig(preload=PRELOAD)) as system:
                 trainer = await TrainerGroup.spawn(system, config)
                 try:
                     first = 0

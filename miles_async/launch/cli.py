@@ -164,6 +164,17 @@ def _refused_early(verb: str, args: argparse.Namespace) -> bool:
     return False
 
 
+def _start_fork_server(args: argparse.Namespace) -> None:
+    """The run's fork server, started before `run`/`sft` import torch and the actors, so that its
+    own imports of them (RuntimeConfig.preload) run beside these (miles_async/runtime/child.py)."""
+    if not args.dry_run:
+        from miles_async.actors import PRELOAD
+        from miles_async.runtime.child import start_fork_server
+        from miles_async.runtime.config import RuntimeConfig
+
+        start_fork_server(RuntimeConfig(preload=PRELOAD))
+
+
 def _prepared(verb: str, args: argparse.Namespace, load: Callable[[Any, list[str]], Any],
               check: Callable[[Any, Any], Any], dump: Callable[[Any], str]) -> tuple[Any, Any, Any] | int:
     """`run`/`sft` up to the start: the recipe (`load(path, overrides)`), the pre-flight's result
@@ -202,6 +213,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     """`miles-async run RECIPE`: the whole loop on this node (miles_async/actors/controller.py)."""
     if _refused_early("run", args):
         return 2
+    _start_fork_server(args)
     from miles_async.actors.controller import RunLostError, RunSetupError
     from miles_async.actors.controller import run as run_loop
     from miles_async.actors.preflight import check_run
@@ -251,6 +263,7 @@ def _sft(args: argparse.Namespace, extra: list[str]) -> int:
     """`miles-async sft RECIPE`: supervised fine-tuning on the trainer ranks (miles_async/actors/sft.py)."""
     if _refused_early("sft", args):
         return 2
+    _start_fork_server(args)
     from miles_async.actors.sft import SFTRun, load_sft_recipe, sft_recipe_toml
     from miles_async.observe import TrackerError
     from miles_async.runtime import SpawnError

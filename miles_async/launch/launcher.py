@@ -49,10 +49,15 @@ from typing import Any
 
 import msgspec
 
+from miles_async.actors import PRELOAD
+from miles_async.runtime.child import start_fork_server
+from miles_async.runtime.config import RuntimeConfig
+
 log = logging.getLogger("miles_async.launch")
 
 PROG = "miles-async launch"
 REMOTE_TRACEBACK = "--- remote traceback ---"  # where a remote error's message ends and its traceback starts
+NODE_PRELOAD = (*PRELOAD, "miles_async.launch.agent")  # the node's fork server: the run's actors and the node agent
 
 
 def route_address(master_addr: str, master_port: int) -> str:
@@ -269,15 +274,12 @@ async def run_other_node(args: Any, rdzv: Any, store: Any, host: str) -> int:
     return 0 if outcome.get("clean") == "yes" else 1
 
 
-def runtime_config(host: str, args: Any) -> Any:
-    from miles_async.actors.controller import PRELOAD
-    from miles_async.runtime import RuntimeConfig
-
+def runtime_config(host: str, args: Any) -> RuntimeConfig:
     timeout_s = args.heartbeat_timeout_s
     return RuntimeConfig(transport="tcp", host=host, curve=True,
                          run_dir=tempfile.mkdtemp(prefix=f"miles-async-node{args.node_rank}-"),
                          ask_timeout_s=600.0, spawn_timeout_s=300.0, heartbeat_timeout_s=timeout_s,
-                         heartbeat_interval_s=min(1.0, timeout_s / 4), preload=(*PRELOAD, "miles_async.launch.agent"))
+                         heartbeat_interval_s=min(1.0, timeout_s / 4), preload=NODE_PRELOAD)
 
 
 def main(args: Any) -> int:
@@ -295,6 +297,8 @@ def main(args: Any) -> int:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
 
+    if not args.dry_run:
+        start_fork_server(RuntimeConfig(preload=NODE_PRELOAD))  # its imports beside the ones below
     from miles_async.actors.controller import RunLostError, RunSetupError
     from miles_async.actors.preflight import check_run
     from miles_async.actors.recipe import dump_recipe_toml, load_recipe

@@ -15,6 +15,9 @@ the name with the run's directory and reports `ChildReady` to the owner; a failu
 reported as `ChildDied` and the process exits with status 1. It exits when told to shut down, when
 its actor is stopped, or when its owner's process is gone.
 
+A command can start the server before it imports its own heavy modules (`start_fork_server`), so
+that the two imports overlap.
+
 The spec names `serve` rather than this module importing the system: the supervisor (owner.py),
 below the system, builds the spec, and the system sits on top of the runtime's modules.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.context
+import multiprocessing.forkserver
 import os
 import pickle
 import signal
@@ -45,6 +49,16 @@ def context(config: RuntimeConfig) -> multiprocessing.context.ForkServerContext 
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["miles_async.runtime.system", *config.preload])
     return ctx
+
+
+def start_fork_server(config: RuntimeConfig) -> None:
+    """Start this process's fork server now, with `config`'s preload, rather than at its first
+    child (nothing for `spawn`): a command that is about to import torch and its actors itself calls
+    this first, so that the server's imports run beside its own (on another core) instead of after
+    them. The server is started once per process; a later `context` call cannot change its preload."""
+    if config.start_method == "forkserver":
+        context(config)
+        multiprocessing.forkserver.ensure_running()
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 PREFIX = "step_"
 META = "meta.json"
@@ -80,7 +78,10 @@ class Staged:
 
 def stage(model: nn.Module, optimizer: torch.optim.Optimizer) -> Staged:
     """Copy the state to save (sharded tensors stay sharded: each rank copies its own shards).
-    Cheap next to `write`: a memory copy of the parameters and the optimizer's moments."""
+    Cheap next to `write`: a memory copy of the parameters and the optimizer's moments. Imports
+    torch.distributed.checkpoint at first use (DTensor and sympy: a second of import)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return Staged({"model": _copied(model_sd), "optim": _copied(optim_sd)}, rng_state())
 
@@ -121,6 +122,8 @@ def write(root: str | Path, staged: Staged, meta: dict[str, Any], *,
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed save of the same step
         tmp.mkdir(parents=True)
     dist.barrier(group=process_group)
+    import torch.distributed.checkpoint as dcp  # at first use (stage's import)
+
     dcp.save(staged.state, checkpoint_id=str(tmp), process_group=process_group)
     torch.save(staged.rng, tmp / f"rng_rank{rank}.pt")
     if after_write is not None:
@@ -170,6 +173,9 @@ def load(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer)
     if not (folder / META).is_file():
         raise ValueError(f"{folder} is not a finished checkpoint (no {META}); use checkpoint.latest(root)")
     meta = json.loads((folder / META).read_text())
+    import torch.distributed.checkpoint as dcp  # DTensor, sympy: a second; at first use
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}  # dcp.load fills it in place
     dcp.load(state, checkpoint_id=str(folder))

@@ -27,6 +27,7 @@ import ipaddress
 import os
 import socket
 import struct
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -34,8 +35,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from miles_async.transport.groups import is_loopback, listening_store
 
@@ -178,6 +177,8 @@ def shard_model(model: CausalLM, device: torch.device) -> CausalLM:
     """
     if dist.get_world_size() == 1:
         return model
+    from torch.distributed.fsdp import fully_shard  # DTensor and sympy, a second: only where sharding
+
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.model.layers:
         fully_shard(block, mesh=mesh)
@@ -185,6 +186,13 @@ def shard_model(model: CausalLM, device: torch.device) -> CausalLM:
     return model
 
 
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a DTensor, without importing `torch.distributed.tensor` (a second: it
+    brings sympy) into a process that has not: where that module is not imported, nothing is one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a (possibly sharded) parameter; a collective when it is a DTensor."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor

@@ -28,13 +28,13 @@ Try it: see tests/unit/test_trainer_step.py.
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import register_fsdp_forward_method
 
 from miles_async.kernels import batch_invariant
 from miles_async.kernels.logprobs import token_logprobs_from_hidden
@@ -111,7 +111,10 @@ def attach_logprobs(model: CausalLM, config: TrainerConfig) -> None:
     # The type: ignores here and in micro_batch_loss: torch's stubs type the attributes a Module
     # does not declare (its __getattr__/__setattr__) as tensors or modules, never as methods.
     model.token_logprobs = types.MethodType(token_logprobs, model)  # type: ignore[assignment]
-    register_fsdp_forward_method(model, "token_logprobs")
+    if "torch.distributed.fsdp" in sys.modules:  # else the model is no FSDPModule (fsdp.py imports it to shard)
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(model, "token_logprobs")
 
 
 @dataclass(frozen=True)

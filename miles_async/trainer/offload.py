@@ -76,7 +76,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from miles_async.trainer.fsdp import is_dtensor
 
 FLOAT_BYTES = 4  # the state is float32 whatever the parameters' dtype
 IO_CHUNK_BYTES = 64 << 20  # one pread/pwrite call (Linux moves at most ~2 GiB per call)
@@ -115,12 +116,14 @@ class _Bucket:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a (possibly sharded) parameter or gradient."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def _like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """`local` as the parameter is held: a DTensor with its sharding when the parameter is one."""
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
+        from torch.distributed.tensor import DTensor
+
         return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
     return local

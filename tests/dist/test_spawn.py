@@ -128,6 +128,54 @@ def test_a_child_takes_the_owners_environment_as_it_is_when_the_child_starts(sta
     scenario(main, TIMEOUT_S)
 
 
+START_EARLY = """
+import asyncio, os, sys
+sys.path.insert(0, {dist!r})
+from _actors import Counter, Pid
+from miles_async.runtime import ActorSystem, RuntimeConfig
+from miles_async.runtime.child import start_fork_server
+
+def children():
+    found = []
+    for stat in os.listdir("/proc"):
+        try:
+            text = open(f"/proc/{{stat}}/stat").read()
+        except OSError:
+            continue
+        if stat.isdigit() and int(text.rsplit(")", 1)[1].split()[1]) == os.getpid():
+            found.append(int(stat))
+    return found
+
+config = RuntimeConfig(start_method={method!r}, preload=("json",))
+before = children()
+start_fork_server(config)
+started = sorted(set(children()) - set(before))
+
+async def main():
+    async with ActorSystem(config=config) as system:
+        ref = await system.spawn(Counter, "counter", process=True)
+        pid = await ref.ask(Pid())
+        parent = int(open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()[1])
+        print(bool(started), parent in started)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize(("start_method", "expected"), [("forkserver", "True True"), ("spawn", "False False")])
+def test_a_fork_server_started_early_is_the_one_the_children_fork_from(start_method: str, expected: str) -> None:
+    """`start_fork_server` (what `run` calls before importing torch) starts the server at once,
+    as a child of the caller (with the resource tracker, multiprocessing's other helper), and the
+    first actor's process is then forked by it; `spawn` starts nothing early."""
+    import subprocess
+    import sys
+
+    script = START_EARLY.format(dist=str(Path(__file__).parent), method=start_method)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == expected.split()  # (processes started early, the child's parent among them)
+
+
 def test_a_bad_start_method_is_refused() -> None:
     with pytest.raises(ValueError, match="start_method must be 'forkserver' or 'spawn', got 'fork'"):
         config("ipc", start_method="fork")
