@@ -30,7 +30,7 @@ import struct
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from miles_async.transport.groups import is_loopback, listening_store
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
     from miles_async.models import CausalLM
 
 ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -186,7 +188,7 @@ def shard_model(model: CausalLM, device: torch.device) -> CausalLM:
     return model
 
 
-def is_dtensor(tensor: torch.Tensor) -> bool:
+def is_dtensor(tensor: torch.Tensor) -> TypeGuard[DTensor]:
     """Whether `tensor` is a DTensor, without importing `torch.distributed.tensor` (a second: it
     brings sympy) into a process that has not: where that module is not imported, nothing is one."""
     module = sys.modules.get("torch.distributed.tensor")
