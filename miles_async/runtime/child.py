@@ -16,7 +16,8 @@ reported as `ChildDied` and the process exits with status 1. It exits when told 
 its actor is stopped, or when its owner's process is gone.
 
 A command can start the server before it imports its own heavy modules (`start_fork_server`), so
-that the two imports overlap.
+that the two imports overlap. The server's own exit, once its owner is gone, is an `os._exit`
+(quickexit.py): seconds of module teardown saved, while it still holds the owner's stderr.
 
 The spec names `serve` rather than this module importing the system: the supervisor (owner.py),
 below the system, builds the spec, and the system sits on top of the runtime's modules.
@@ -47,7 +48,8 @@ def context(config: RuntimeConfig) -> multiprocessing.context.ForkServerContext 
     if config.start_method == "spawn":
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["miles_async.runtime.system", *config.preload])
+    # quickexit last: the server's exit skips the teardown of what it preloaded (its docstring)
+    ctx.set_forkserver_preload(["miles_async.runtime.system", *config.preload, "miles_async.runtime.quickexit"])
     return ctx
 
 

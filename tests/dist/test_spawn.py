@@ -176,6 +176,44 @@ def test_a_fork_server_started_early_is_the_one_the_children_fork_from(start_met
     assert done.stdout.split() == expected.split()  # (processes started early, the child's parent among them)
 
 
+EXIT_QUICKLY = """
+import asyncio, sys
+sys.path.insert(0, {dist!r})
+from _actors import Counter, Get
+from miles_async.runtime import ActorSystem, RuntimeConfig
+
+async def main():
+    async with ActorSystem(config=RuntimeConfig(preload=("_exit_marker",))) as system:
+        ref = await system.spawn(Counter, "counter", process=True)
+        print(await ref.ask(Get()))
+
+asyncio.run(main())
+"""
+
+
+def test_the_fork_server_exits_without_tearing_down_what_it_preloaded(tmp_path: Path) -> None:
+    """Once its owner is gone the fork server ends in `os._exit` (runtime/quickexit.py, registered
+    after every preloaded module): a preloaded module's atexit handler does not run in it, and the
+    owner's stderr, which the server holds, is closed by the time the owner's output has ended
+    (subprocess.run reads it to its end). Without quickexit the marker's atexit line is written."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "marker"
+    done = subprocess.run([sys.executable, "-c", EXIT_QUICKLY.format(dist=str(Path(__file__).parent))],
+                          capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env={**os.environ, "MILES_TEST_EXIT_MARKER": str(marker),  # (the server's sys.path
+                               "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])})  # is its own)
+    assert done.returncode == 0 and done.stdout.split() == ["0"], done.stderr
+    lines = marker.read_text().split()
+    assert lines[0::2] == ["imported"], lines  # imported in the server alone; no atexit line from it
+    try:  # gone, or a zombie nobody has reaped yet: not running
+        state = Path(f"/proc/{lines[1]}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        state = "gone"
+    assert state in ("gone", "Z", "X"), state
+
+
 def test_a_bad_start_method_is_refused() -> None:
     with pytest.raises(ValueError, match="start_method must be 'forkserver' or 'spawn', got 'fork'"):
         config("ipc", start_method="fork")
