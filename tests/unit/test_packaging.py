@@ -232,3 +232,38 @@ def test_dev_py_installs_for_the_demo_only_what_the_recipe_needs(tmp_path: Path,
         assert dev.parallel_options(["-x", *chosen]) == [], chosen
     monkeypatch.setattr(dev.os, "cpu_count", lambda: 2)
     assert dev.parallel_options([]) == []  # two cores: in the pytest process itself
+
+
+def test_dev_py_editable_installs_take_turns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tree_lock` (CI sets its four venvs up at once, and each editable install writes
+    miles_async.egg-info/ in the tree): a second holder, in another thread, gets the lock only once
+    the first has let go; and `setup` takes nothing but --python."""
+    import importlib.util
+    import threading
+    import time
+
+    spec = importlib.util.spec_from_file_location("dev_script", ROOT / "dev.py")
+    assert spec is not None and spec.loader is not None
+    dev = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "dev_script", dev)
+    spec.loader.exec_module(dev)
+    monkeypatch.setattr(dev, "ROOT", tmp_path)
+    events: list[str] = []
+    held = threading.Event()
+
+    def first() -> None:
+        with dev.tree_lock():
+            events.append("first in")
+            held.set()
+            time.sleep(0.3)
+            events.append("first out")
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert held.wait(10)
+    with dev.tree_lock():
+        events.append("second in")
+    thread.join(10)
+    assert events == ["first in", "first out", "second in"]
+    with pytest.raises(SystemExit, match="setup takes only --python"):
+        dev.main(["setup", "tests/unit"])
