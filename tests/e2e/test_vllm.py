@@ -247,11 +247,14 @@ def test_the_probe_catches_vllm_serving_a_stale_output_projection(server, tied_m
     assert state.version == 0 and "failed the probe" in (state.weights_error or "") and state.paused == "abort"
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(600)
 def test_the_main_job_trains_with_vllm_as_its_engine(tmp_path):
+    """200 RL steps after the warm start: the sampled reward of the last 50 beats the first 50's by
+    0.10 on vLLM as on the embedded engine (docs/benchmarks.md, "vLLM as the run's engine": 0.20
+    over the first 100 steps, 0.27 over the next), twice the margin asserted."""
     out = tmp_path / "run"
-    done = run_cli(["run", "recipes/reverse.toml", "rollout.backend=vllm", "loop.num_steps=400", "eval.every=200",
-                    "--out", str(out)], timeout_s=850)
+    done = run_cli(["run", "recipes/reverse.toml", "rollout.backend=vllm", "loop.num_steps=200", "eval.every=100",
+                    "--out", str(out)], timeout_s=550)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -259,7 +262,7 @@ def test_the_main_job_trains_with_vllm_as_its_engine(tmp_path):
     first, last = sum(rewards[:50]) / 50, sum(rewards[-50:]) / 50
     print(f"vLLM main job: reward {first:.3f} (first 50 steps) -> {last:.3f} (last 50), "
           f"{summary['samples_per_s']:.0f} samples/s, eval {summary['eval_scores']}")
-    assert len(rewards) == 400
+    assert len(rewards) == 200
     assert last > first + 0.05, rewards  # it learns
     assert all(0 <= r["train/logprob_abs_diff"] < 0.5 for r in rows if "train/logprob_abs_diff" in r)  # the mismatch, reported
     header = json.loads((out / "trace.jsonl").read_text().splitlines()[0])
