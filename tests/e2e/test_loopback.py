@@ -8,9 +8,9 @@ process's command line. Listing for the whole run (SFT warm start included) rath
 moment also catches listeners that live only for a while (a weight push's group store). The RL
 phase must have been listed: at least one listing after `metrics.jsonl` has its first row.
 
-Runs: the default recipe (shm weights), weights by torch.distributed broadcast (a gloo group and a
-TCPStore between the pusher and the engine), two trainer ranks (their process group's TCPStore and
-gloo pairs), and the multi-turn recipe (the TITO session server, the tool sandbox).
+Runs: the default recipe (shm weights); weights by torch.distributed broadcast (a gloo group and a
+TCPStore between the pusher and the engine) from two trainer ranks (their process group's TCPStore
+and gloo pairs), in one run; and the multi-turn recipe (the TITO session server, the tool sandbox).
 
 Linux only (/proc). `-s` prints every listener found.
 """
@@ -42,8 +42,8 @@ CALCULATOR = ["sft.max_steps=10", "sft.probe_every=10", "sft.num_probe=4", "loop
               "task.num_prompts=200"]
 RUNS = {
     "default": ("reverse.toml", [*SHORT, "eval.mode=none"]),
-    "broadcast": ("reverse.toml", [*SHORT, "eval.mode=none", "weights.transport=broadcast"]),
-    "two_trainer_ranks": ("reverse.toml", [*SHORT, "eval.mode=none", "trainer.world_size=2"]),
+    "broadcast_two_ranks": ("reverse.toml", [*SHORT, "eval.mode=none", "weights.transport=broadcast",
+                                             "trainer.world_size=2"]),
     "agent_sessions": ("calculator.toml", CALCULATOR),
 }
 
