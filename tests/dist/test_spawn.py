@@ -171,7 +171,7 @@ def test_a_fork_server_started_early_is_the_one_the_children_fork_from(start_met
     import sys
 
     script = START_EARLY.format(dist=str(Path(__file__).parent), method=start_method)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=TIMEOUT_S)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == expected.split()  # (processes started early, the child's parent among them)
 
@@ -201,7 +201,7 @@ def test_the_fork_server_exits_without_tearing_down_what_it_preloaded(tmp_path: 
 
     marker = tmp_path / "marker"
     done = subprocess.run([sys.executable, "-c", EXIT_QUICKLY.format(dist=str(Path(__file__).parent))],
-                          capture_output=True, text=True, timeout=TIMEOUT_S,
+                          capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
                           env={**os.environ, "MILES_TEST_EXIT_MARKER": str(marker),  # (the server's sys.path
                                "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])})  # is its own)
     assert done.returncode == 0 and done.stdout.split() == ["0"], done.stderr
