@@ -66,6 +66,7 @@ import sys
 import tempfile
 import threading
 import time
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +76,10 @@ import miles_async
 from miles_async.bench._stats import percentile
 from miles_async.bench.loop_peers import trl_grpo
 from miles_async.kernels.precision import auto_dtype
-from miles_async.launch.catalog import shipped_folder
 
-DEFAULT_RECIPE = shipped_folder() / "reverse.toml"
-SMOLLM2_RECIPE = shipped_folder() / "smollm2-math.toml"
+SHIPPED = Path(str(files("miles_async.recipes")))  # recipes/ in a clone (nothing imports launch/)
+DEFAULT_RECIPE = SHIPPED / "reverse.toml"
+SMOLLM2_RECIPE = SHIPPED / "smollm2-math.toml"
 TARGETS = {"async_over_sync_min": 1.5, "async_over_trl_min": 2.0}
 TRL_THREADS = (1, 2)
 # Long-tailed word lengths (mostly 4-6 letters, a tail to 32: task.config.lengths = "zipf"), so
