@@ -10,8 +10,10 @@ in `os._exit` already (multiprocessing's fork server does that), without running
 atexit handlers.
 
 Registered on import, last (atexit runs the handlers last in, first out), so that it runs before
-the others and skips them; it flushes the standard streams first. Nothing else may import this
-module: in any other process it would cut that process's exit short too.
+the others and skips them; it flushes the standard streams first. Only an import from the fork
+server's preload (`multiprocessing.forkserver.main` on the stack) registers it: imported anywhere
+else (a test, the docs tools) this module does nothing, so no other process's exit, nor its exit
+status, is cut short.
 """
 
 from __future__ import annotations
@@ -30,4 +32,17 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-atexit.register(_exit_now)
+def _imported_by_fork_server() -> bool:
+    import multiprocessing.forkserver
+
+    serve = multiprocessing.forkserver.main.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is serve:
+            return True
+        frame = frame.f_back
+    return False
+
+
+if _imported_by_fork_server():
+    atexit.register(_exit_now)

@@ -212,6 +212,10 @@ def test_the_fork_server_exits_without_tearing_down_what_it_preloaded(tmp_path: 
     except (FileNotFoundError, ProcessLookupError):
         state = "gone"
     assert state in ("gone", "Z", "X"), state
+    # imported anywhere else, quickexit registers nothing: this process keeps its exit status
+    elsewhere = subprocess.run([sys.executable, "-c", "import sys, miles_async.runtime.quickexit; sys.exit(3)"],
+                               capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    assert elsewhere.returncode == 3, elsewhere.stderr
 
 
 def test_a_bad_start_method_is_refused() -> None:
