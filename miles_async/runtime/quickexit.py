@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+from types import FrameType
 
 
 def _exit_now() -> None:
@@ -36,7 +37,7 @@ def _imported_by_fork_server() -> bool:
     import multiprocessing.forkserver
 
     serve = multiprocessing.forkserver.main.__code__
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         if frame.f_code is serve:
             return True
