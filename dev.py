@@ -456,7 +456,7 @@ def split_python_option(args: list[str]) -> tuple[str | None, list[str]]:
     return None, args
 
 
-def test_venv(wanted: str | None) -> Venv:
+def venv_for_tests(wanted: str | None) -> Venv:
     """The environment `test` runs in, set up: `.venv`, or with `--python X` `.venv-pyXY`."""
     if wanted is None:
         ensure_venv(MAIN)
@@ -501,7 +501,7 @@ def main(argv: list[str]) -> int:
     wanted, rest = split_python_option(rest)
     if verb == "setup" and rest:
         sys.exit(f"[dev.py] setup takes only --python\n{USAGE}")
-    venv = test_venv(wanted)
+    venv = venv_for_tests(wanted)
     if verb == "setup":
         return 0
     precompile(venv)
