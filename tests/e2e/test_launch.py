@@ -230,10 +230,12 @@ def kill_trainer_rank(out: Path, args: list[str], rank: int, after_steps: int, *
     return procs
 
 
-@pytest.mark.slow  # ~17 s: two launches of a two-node run
+@pytest.mark.slow  # ~20 s: two launches of a two-node run
 def test_a_trainer_rank_killed_stops_the_run_with_its_cause_and_resume_continues(tmp_path: Path) -> None:
+    # 30 steps, the kill after 6: a short step can outrun the kill, and 10 steps were once all
+    # written before it landed (then the resume had nothing left to write).
     out = tmp_path / "run"
-    args = trainer_run(out, 10, 4)
+    args = trainer_run(out, 30, 4)
     procs = kill_trainer_rank(out, args, 1, 6)
     started = time.monotonic()
     (rc0, _, err0), (rc1, _, err1) = finish(procs, 120)
@@ -251,24 +253,24 @@ def test_a_trainer_rank_killed_stops_the_run_with_its_cause_and_resume_continues
     assert rc0 == 0, err0[-3000:]
     assert rc1 == 0, err1[-3000:]
     summary = json.loads(out0.strip().splitlines()[-1])
-    assert summary["num_steps"] == 10 and summary["resumed_from"]
+    assert summary["num_steps"] == 30 and summary["resumed_from"]
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 11)) and len(steps) > stopped_at  # the steps after the checkpoint: once
+    assert steps == list(range(1, 31)) and len(steps) > stopped_at  # the steps after the checkpoint: once
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_trainer_rank_killed_with_max_restarts_restarts_every_node_from_the_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    procs = kill_trainer_rank(out, trainer_run(out, 8, 3), 0, 4, "--max-restarts", "1")
+    procs = kill_trainer_rank(out, trainer_run(out, 24, 3), 0, 4, "--max-restarts", "1")  # the kill well before the end
     (rc0, out0, err0), (rc1, _, err1) = finish(procs, 300)
     assert rc0 == 0, err0[-3000:]
     assert rc1 == 0, err1[-3000:]
     assert "restart 1 of 1: trainer rank 0" in err0 and "Traceback" not in err0, err0[-2000:]
     summary = json.loads(out0.strip().splitlines()[-1])
-    assert summary["num_steps"] == 8 and summary["restarts"] == 1 and summary["resumed_from"]
+    assert summary["num_steps"] == 24 and summary["restarts"] == 1 and summary["resumed_from"]
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 9))  # the steps after the checkpoint ran again, written once
+    assert steps == list(range(1, 25))  # the steps after the checkpoint ran again, written once
     for p in procs:
         assert session_pids(p.pid) == [], "a process of the run outlived it"
 
