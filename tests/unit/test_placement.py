@@ -80,7 +80,10 @@ def test_a_rank_binds_the_interface_holding_its_node_address(monkeypatch) -> Non
     assert interface_of("127.0.0.7") == "lo"  # all of 127/8 is lo's
     assert interface_of("203.0.113.77") is None  # an address no interface here holds
     assert interface_of("node-3") is None
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    # setenv first, so that monkeypatch undoes what bind_to sets (a bare delenv of an unset name
+    # records nothing, and the worker's later subprocesses inherited GLOO_SOCKET_IFNAME=lo)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "unset")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the user's choice stands
     bind_to("127.0.0.2")
     assert os.environ["GLOO_SOCKET_IFNAME"] == "lo" and os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
