@@ -78,6 +78,7 @@ def test_a_what_if_changes_the_prediction_the_expected_way() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # its timing is what is checked: no test of another file runs beside it
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_run_recorded_now_is_predicted_by_the_sim_command(tmp_path: Path, mode: str) -> None:
     run_dir = tmp_path / mode
