@@ -23,9 +23,9 @@ is the current one and it holds what the verb needs (a demo venv later used for 
 `[dev]` then).
 
 `test` compiles the project's modules to bytecode first (the suite starts hundreds of processes),
-then runs pytest with pytest-xdist where there are 4 cores or more: one worker per two cores up to
-WORKERS, each taking whole test files (`--dist loadfile`); `-n N` or `--dist` choose otherwise
-(on 2 cores, `test -m "not slow" -n 2` takes a fifth off the fast tier's time).
+then runs pytest with pytest-xdist where there are 2 cores or more: one worker per two cores, at
+least two and at most WORKERS, each taking whole test files (`--dist loadfile`); `-n N` or
+`--dist` choose otherwise (parallel_options says why two workers pay on 2 cores).
 
 `--python 3.10` (or a path to a Python 3.10) does the same in `.venv-py310`, made with that
 interpreter, so that CI proves the `requires-python = ">=3.10"` promise: nothing but a run under
@@ -430,18 +430,20 @@ def precompile(venv: Venv) -> None:
 
 def parallel_options(args: list[str]) -> list[str]:
     """pytest-xdist's options, unless the arguments choose their own (`-n`, `--numprocesses`,
-    `--dist`, `-p no:xdist`): one worker per two cores, at most WORKERS, each running whole files
-    (`--dist loadfile`: a module's shared fixtures are made once, and its tests never run beside
-    each other). Every test has its own ports and folders, so tests of different files may run at
-    the same time; but an end-to-end run keeps two cores busy (its engine and its trainer), and
-    two of them on two cores take longer together than one after the other (torch's threads
-    contend), so a 2-core machine runs the suite in one process. `-n 2` there still pays for the
-    fast tier alone (`-m "not slow"`: many short tests; a fifth of its time saved)."""
+    `--dist`, `-p no:xdist`): one worker per two cores, at least two and at most WORKERS, each
+    running whole files (`--dist loadfile`: a module's shared fixtures are made once, and its tests
+    never run beside each other). Every test has its own ports and folders, so tests of different
+    files may run at the same time (a test marked `alone` waits for the others and runs beside none:
+    tests/conftest.py). Two workers pay even on 2 cores: an end-to-end run leaves a third of the
+    cores' time idle (its processes wait on one another, on heartbeats and on servers), which a
+    second worker fills. On 2 cores the whole suite took 1,177 s in one process and 719 s on two
+    workers; the fast tier, 182 s and 140 s. One core: no workers."""
     if any(a in ("-n", "--numprocesses", "--dist", "no:xdist", "-pno:xdist") or a.startswith(("-n", "--numprocesses=",
                                                                                                 "--dist="))
            for a in args):
         return []
-    workers = min((os.cpu_count() or 1) // 2, WORKERS)
+    cores = os.cpu_count() or 1
+    workers = min(max(cores // 2, 2), WORKERS) if cores > 1 else 1
     return ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
 
 

@@ -231,7 +231,9 @@ def test_dev_py_installs_for_the_demo_only_what_the_recipe_needs(tmp_path: Path,
     for chosen in (["-n", "0"], ["-n3"], ["--numprocesses=2"], ["--dist", "load"], ["-p", "no:xdist"]):
         assert dev.parallel_options(["-x", *chosen]) == [], chosen
     monkeypatch.setattr(dev.os, "cpu_count", lambda: 2)
-    assert dev.parallel_options([]) == []  # two cores: in the pytest process itself
+    assert dev.parallel_options([]) == ["-n", "2", "--dist", "loadfile"]  # two cores: two workers still
+    monkeypatch.setattr(dev.os, "cpu_count", lambda: 1)
+    assert dev.parallel_options([]) == []  # one core: in the pytest process itself
 
 
 def test_dev_py_editable_installs_take_turns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
