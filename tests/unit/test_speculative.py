@@ -107,12 +107,14 @@ def test_sampled_tokens_keep_the_policy_distribution(drafted: Path) -> None:
     spec, stats = asyncio.run(_generate(drafted, requests, max_running_requests=64, speculative_tokens=3, seed=1))
     assert stats.num_accepted_drafts > 0.15 * stats.num_draft_tokens, stats
     for position in range(1, 5):
-        # the token at `position` given the one before it, for the most frequent predecessor
+        # the token at `position` given the one before it, for the predecessor most frequent in both
+        # runs together: ~180 of 3,000 in each, so 100 is ~6 sigma away (the runs are seeded, but
+        # their streams differ by CPU: a floor of 150 failed on one at exactly 150)
         before = max({o.output_ids[position - 1] for o in plain},
-                     key=lambda t: sum(o.output_ids[position - 1] == t for o in plain))
+                     key=lambda t: sum(o.output_ids[position - 1] == t for o in [*plain, *spec]))
         a = [o.output_ids[position] for o in plain if o.output_ids[position - 1] == before]
         b = [o.output_ids[position] for o in spec if o.output_ids[position - 1] == before]
-        assert len(a) > 150 and len(b) > 150, (position, len(a), len(b))
+        assert len(a) > 100 and len(b) > 100, (position, len(a), len(b))
         stat, critical = _chi_square(a, b)
         assert stat < critical, (position, stat, critical, len(a), len(b))
     # log-probs: the policy's filtered distribution, recomputed densely
