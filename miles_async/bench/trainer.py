@@ -4,7 +4,7 @@ The step, on one process and `--threads` torch threads: forward and backward ove
 sequences of `--seq-len` random tokens, then an AdamW update of every weight. Ours is the
 trainer's own path (`miles_async.models` with the trainer's chunked log-prob kernel over one
 packed row, `trainer.loss.attach_logprobs`, loss = mean negative log-prob); the peer is
-transformers' `AutoModelForCausalLM` on the same folder with `labels` and `torch.optim.AdamW`.
+transformers' `AutoModelForCausalLM` on the same folder with `labels`, and the same AdamW.
 Precisions, each on both sides:
 - "float32": weights, activations and optimizer state in fp32;
 - "bf16_autocast": fp32 master weights and optimizer state, matmuls under
@@ -14,7 +14,10 @@ Each figure is tokens/s (median of `--steps` steps after one warm-up) and the fr
 matmul peak it reaches: 6 x multiplied weights x tokens + 3 x attention FLOPs, over the step
 time and the `torch.mm` rate measured in the same run for that dtype (miles_async/bench/limits.py). On a
 CPU with no bf16 instructions (AVX2 only) bf16 is emulated: the matmul rates in the JSON say so.
-Ours uses the trainer's optimizer (AdamW, `fused=True`); the peer torch's default AdamW.
+Both sides update with the same optimizer: the trainer's own (`trainer.step.make_optimizer`:
+`torch.optim.AdamW(fused=True)`, torch's fused kernel, which transformers' Trainer selects with
+`optim="adamw_torch_fused"`), at lr 1e-6; the JSON's `optimizer` records, for each side, the
+settings read back from the optimizer it stepped.
 
 `--workload grpo` times instead a batch shaped like an RL step: `--groups` prompts of
 `--prompt-len` random tokens, `--group-size` answers each of 8-32 random tokens, the loss on the
@@ -39,8 +42,8 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -59,17 +62,42 @@ def _compute_dtype(precision: str) -> str:
     return "bfloat16" if precision == "bf16_autocast" else "float32"
 
 
-def _timed_steps(step: Callable[[], None], steps: int) -> float:
-    step()  # warm-up: allocations, OpenMP team, optimizer state
+class Step(NamedTuple):
+    """One side's training step and the optimizer it steps (its settings go in the JSON)."""
+
+    run: Callable[[], None]
+    optimizer: torch.optim.Optimizer
+
+
+def adamw(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """Both sides' optimizer: the trainer's own (`trainer.step.make_optimizer`: fused AdamW, the
+    trainer's betas, eps and weight decay) at lr 1e-6."""
+    from miles_async.trainer.config import TrainerConfig
+    from miles_async.trainer.step import make_optimizer
+
+    return make_optimizer(list(params), TrainerConfig(lr=1e-6))
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What an optimizer was built with, read back from it: class, lr, betas, eps, weight decay, kernel."""
+    defaults = optimizer.defaults
+    kernel = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "for-loop"
+    return {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "lr": defaults["lr"],
+            "betas": list(defaults["betas"]), "eps": defaults["eps"], "weight_decay": defaults["weight_decay"],
+            "kernel": kernel}
+
+
+def _timed_steps(step: Step, steps: int) -> float:
+    step.run()  # warm-up: allocations, OpenMP team, optimizer state
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        step()
+        step.run()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def ours_step(model_dir: str, ids_BT: torch.Tensor, precision: str) -> Callable[[], None]:
+def ours_step(model_dir: str, ids_BT: torch.Tensor, precision: str) -> Step:
     from miles_async.models import load_pretrained
     from miles_async.trainer.config import TrainerConfig
     from miles_async.trainer.loss import attach_logprobs
@@ -78,7 +106,7 @@ def ours_step(model_dir: str, ids_BT: torch.Tensor, precision: str) -> Callable[
     # the trainer's own mixed precision (TrainerConfig.compute_dtype): the backbone under autocast,
     # the vocabulary log-probs in fp32
     attach_logprobs(model, TrainerConfig(compute_dtype=_compute_dtype(precision)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)  # as trainer.step.Trainer's
+    optimizer = adamw(model.parameters())
     batch, seq = ids_BT.shape
     input_1T = ids_BT.reshape(1, -1)
     positions_1T = torch.arange(seq).repeat(batch)[None]  # packed: positions restart per sequence
@@ -90,14 +118,14 @@ def ours_step(model_dir: str, ids_BT: torch.Tensor, precision: str) -> Callable[
         (-logp_T.float().mean()).backward()
         optimizer.step()
 
-    return step
+    return Step(step, optimizer)
 
 
-def transformers_step(model_dir: str, ids_BT: torch.Tensor, precision: str) -> Callable[[], None]:
+def transformers_step(model_dir: str, ids_BT: torch.Tensor, precision: str) -> Step:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    optimizer = adamw(model.parameters())
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -106,7 +134,7 @@ def transformers_step(model_dir: str, ids_BT: torch.Tensor, precision: str) -> C
         loss.float().backward()
         optimizer.step()
 
-    return step
+    return Step(step, optimizer)
 
 
 def _versions() -> dict[str, Any]:
@@ -131,7 +159,7 @@ def grpo_batch(groups: int, group_size: int, prompt_len: int, vocab_size: int) -
 
 
 def ours_grpo_step(model_dir: str, samples: list[Any], group_size: int, precision: str,
-                   share: bool) -> Callable[[], None]:
+                   share: bool) -> Step:
     from miles_async.models import load_pretrained
     from miles_async.trainer.config import TrainerConfig
     from miles_async.trainer.loss import attach_logprobs, micro_batch_loss
@@ -140,7 +168,7 @@ def ours_grpo_step(model_dir: str, samples: list[Any], group_size: int, precisio
     model = load_pretrained(model_dir).train()
     config = TrainerConfig(model_dir=model_dir, objective="sft", compute_dtype=_compute_dtype(precision))
     attach_logprobs(model, config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    optimizer = adamw(model.parameters())
     groups = [i // group_size for i in range(len(samples))] if share else None
     batch = pack(samples, [0.0] * len(samples), groups=groups)
     trained = float(batch.loss_mask_T.sum())
@@ -150,14 +178,14 @@ def ours_grpo_step(model_dir: str, samples: list[Any], group_size: int, precisio
         micro_batch_loss(model, batch, config, trained, torch.device("cpu")).loss.backward()
         optimizer.step()
 
-    return step
+    return Step(step, optimizer)
 
 
-def transformers_grpo_step(model_dir: str, samples: list[Any], precision: str) -> Callable[[], None]:
+def transformers_grpo_step(model_dir: str, samples: list[Any], precision: str) -> Step:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    optimizer = adamw(model.parameters())
     longest = max(s.num_tokens for s in samples)
     ids_BT = torch.zeros(len(samples), longest, dtype=torch.int64)
     attention_BT = torch.zeros(len(samples), longest, dtype=torch.int64)
@@ -176,7 +204,7 @@ def transformers_grpo_step(model_dir: str, samples: list[Any], precision: str) -
         loss.float().backward()
         optimizer.step()
 
-    return step
+    return Step(step, optimizer)
 
 
 def measure_grpo(groups: int, group_size: int, prompt_len: int, steps: int, threads: int,
@@ -189,14 +217,16 @@ def measure_grpo(groups: int, group_size: int, prompt_len: int, steps: int, thre
     samples = grpo_batch(groups, group_size, prompt_len, ModelConfig.from_hf(model_dir).vocab_size)
     tokens = sum(s.num_tokens for s in samples)
     rows: dict[str, Any] = {}
-    sides: tuple[tuple[str, Callable[[str], Callable[[], None]]], ...] = (
+    sides: tuple[tuple[str, Callable[[str], Step]], ...] = (
         ("ours", lambda precision: ours_grpo_step(model_dir, samples, group_size, precision, True)),
         ("ours_unshared", lambda precision: ours_grpo_step(model_dir, samples, group_size, precision, False)),
         ("transformers", lambda precision: transformers_grpo_step(model_dir, samples, precision)))
     for precision in precisions:
         for side, make in sides:
-            step_s = _timed_steps(make(precision), steps)
-            rows.setdefault(precision, {})[side] = {"step_s": round(step_s, 3), "tokens_per_s": round(tokens / step_s, 1)}
+            step = make(precision)
+            step_s = _timed_steps(step, steps)
+            rows.setdefault(precision, {})[side] = {"step_s": round(step_s, 3), "tokens_per_s": round(tokens / step_s, 1),
+                                                    "optimizer": optimizer_settings(step.optimizer)}
             _progress(f"grpo, {precision}, {side}: {tokens / step_s:,.0f} tokens/s ({step_s:.2f} s a step)")
         row = rows[precision]
         row["ratio_ours_over_transformers"] = round(row["transformers"]["step_s"] / row["ours"]["step_s"], 2)
@@ -230,10 +260,12 @@ def measure(batch: int, seq_len: int, steps: int, threads: int, precisions: tupl
     rows: dict[str, Any] = {}
     for precision in precisions:
         for side, make in (("ours", ours_step), ("transformers", transformers_step)):
-            step_s = _timed_steps(make(model_dir, ids_BT, precision), steps)
+            step = make(model_dir, ids_BT, precision)
+            step_s = _timed_steps(step, steps)
             rows.setdefault(precision, {})[side] = {
                 "step_s": round(step_s, 3), "tokens_per_s": round(tokens / step_s, 1),
-                "fraction_of_matmul_peak": round(flops / step_s / rates[precision], 3)}
+                "fraction_of_matmul_peak": round(flops / step_s / rates[precision], 3),
+                "optimizer": optimizer_settings(step.optimizer)}
             _progress(f"{precision}, {side}: {tokens / step_s:,.0f} tokens/s ({step_s:.2f} s a step)")
         rows[precision]["ratio_ours_over_transformers"] = round(
             rows[precision]["transformers"]["step_s"] / rows[precision]["ours"]["step_s"], 2)
@@ -242,7 +274,7 @@ def measure(batch: int, seq_len: int, steps: int, threads: int, precisions: tupl
         "versions": _versions(),
         "model": {"name": "SmolLM2-135M-Instruct", "folder": model_dir, "matmul_params": limits.matmul_params(cfg)},
         "workload": {"kind": "random", "batch": batch, "seq_len": seq_len, "tokens_per_step": tokens, "steps": steps,
-                     "threads": threads, "optimizer": "torch.optim.AdamW", "flops_per_step": flops},
+                     "threads": threads, "flops_per_step": flops},
         "matmul_flops_per_s": {p: round(r) for p, r in rates.items()},
         "precisions": rows,
     }

@@ -1,6 +1,7 @@
 """`miles-async bench trainer` runs end to end on SmolLM2-135M at a tiny size and prints one JSON
 object: ours and transformers' step in both precisions, each with its fraction of the measured
-matmul peak, and the RL-shaped workload's three sides (no speed asserted). Slow: each loads the
+matmul peak, and the RL-shaped workload's three sides (no speed asserted), every side stepping the
+same fused AdamW as its recorded settings show. Slow: each loads the
 real model several times (~1 min each on 2 cores)."""
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def test_bench_trainer_prints_both_sides_in_both_precisions():
         for side in ("ours", "transformers"):
             assert row[side]["tokens_per_s"] > 0 and 0 < row[side]["fraction_of_matmul_peak"] < 1.5
         assert row["ratio_ours_over_transformers"] > 0
+        assert row["ours"]["optimizer"] == row["transformers"]["optimizer"]
+        assert row["ours"]["optimizer"]["kernel"] == "fused" and row["ours"]["optimizer"]["lr"] == 1e-6
     assert result["matmul_flops_per_s"]["float32"] > 0
 
 
@@ -50,6 +53,8 @@ def test_bench_trainer_grpo_workload_times_shared_unshared_and_padded_steps():
     for side in ("ours", "ours_unshared", "transformers"):
         assert row[side]["tokens_per_s"] > 0
     assert row["ratio_ours_over_transformers"] > 0 and row["ratio_ours_over_unshared"] > 0
+    settings = [row[side]["optimizer"] for side in ("ours", "ours_unshared", "transformers")]
+    assert settings[0]["kernel"] == "fused" and settings.count(settings[0]) == 3
 
 
 def test_bench_trainer_refuses_an_unknown_precision():
