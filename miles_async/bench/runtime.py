@@ -7,7 +7,8 @@ process (`spawn(..., process=True)`), then measures, over ipc and tcp,
   * p50/p99 latency of the sequential asks.
 In the same run, the same workloads on the peers (miles_async/bench/runtime_peers.py): a raw asyncio
 ZeroMQ + msgspec echo loop (the floor we build on) and a Ray actor (what users would otherwise
-pick), and the ratios. Rounds interleave our runtime and the raw loop, so drift in machine
+pick; its pipelined figure the best of a blocking get on the oldest call, `ray.wait` and a batched
+`ray.get`, each recorded), and the ratios. Rounds interleave our runtime and the raw loop, so drift in machine
 load hits both alike. Prints one JSON object.
 
     miles-async bench runtime --json
