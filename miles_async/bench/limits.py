@@ -12,6 +12,9 @@ measured step times beside these two figures, both measured here and now on the 
   `torch.mm` or by oneDNN on a prepacked weight, whichever is faster. On a CPU without bf16
   instructions (AVX2 only) bf16 is emulated and slower than fp32; the figure shows it.
 
+Both take `device` ("cpu" by default; "cuda" measures the GPU's own memory and tensor cores, each
+timing between `torch.cuda.synchronize` calls, by `torch.mm` alone: miles_async/bench/gpu.py).
+
 `decode_step_bounds` combines them for a model config: bytes read per decode step (every weight
 but the embedding rows not looked up) and FLOPs at a batch size and a context length, both counted
 on the model's own modules (built on the meta device). Try it: `python -m miles_async.bench.limits`.
@@ -28,29 +31,37 @@ import torch
 from miles_async.models import ModelConfig
 
 
-def _best_s(fn: Any, repeats: int) -> float:
-    fn()  # warm: page faults, OpenMP team start
+def _best_s(fn: Any, repeats: int, device: str = "cpu") -> float:
+    # a GPU op returns once queued: wait for the device before reading the clock
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    fn()  # warm: page faults, OpenMP team start (on a GPU: the kernel's first launch)
+    sync()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return best
 
 
-def copy_bandwidth(mib: int = 512, repeats: int = 5) -> dict[str, float]:
+def copy_bandwidth(mib: int = 512, repeats: int = 5, device: str = "cpu") -> dict[str, float]:
     """Bytes/s of `copy_` between two fp32 buffers of `mib` MiB each (copied, and read + written)."""
     numel = mib * 2**20 // 4
-    src, dst = torch.ones(numel), torch.empty(numel)
-    seconds = _best_s(lambda: dst.copy_(src), repeats)
+    src, dst = torch.ones(numel, device=device), torch.empty(numel, device=device)
+    seconds = _best_s(lambda: dst.copy_(src), repeats, device)
     nbytes = numel * 4
     return {"buffer_mib": mib, "copied_bytes_per_s": nbytes / seconds, "traffic_bytes_per_s": 2 * nbytes / seconds}
 
 
-def matmul_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+def matmul_rate(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: str = "cpu") -> float:
     """FLOP/s of an n x n x n matmul in `dtype`: the faster of `torch.mm` and a oneDNN linear on a
     prepacked weight (miles_async/kernels/onednn.py, what the engine runs; on AMD CPUs torch's fp32 `mm` goes
-    to MKL's slower generic path, and the bound must stay a bound)."""
+    to MKL's slower generic path, and the bound must stay a bound). On a GPU, `torch.mm` (cuBLAS)."""
+    if torch.device(device).type != "cpu":
+        a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+        out = torch.empty(n, n, dtype=dtype, device=device)
+        return 2 * n**3 / _best_s(lambda: torch.mm(a, b, out=out), repeats, device)
     from miles_async.kernels import onednn
     from miles_async.kernels.precision import native_bf16
 

@@ -42,6 +42,7 @@ BENCH_TARGETS = {
     "weights": "weight transports, side by side with memcpy",
     "loop": "the RL loop, async side by side with sync",
     "sim": "the simulator at scale, side by side with a bare event heap",
+    "gpu": "trainer, engine, weight sync and pause/resume on one GPU (Qwen3-0.6B-shaped), beside its limits",
 }
 # Hugging Face's model_type names (miles_async.models.FAMILIES, not imported here to keep --help
 # fast); "qwen3-moe" is accepted for qwen3_moe.
