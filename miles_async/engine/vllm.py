@@ -92,30 +92,69 @@ def check_model(model_dir: str | Path) -> None:
                          f"({', '.join(map(str, CPU_HEAD_SIZES))}); use a model with one of those")
 
 
+TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")  # Debian/Ubuntu's libtcmalloc-minimal4, gperftools
+LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
+
+
+def find_tcmalloc() -> str | None:
+    """The system's TCMalloc, which vLLM's CPU docs strongly recommend preloading (`apt-get install
+    libtcmalloc-minimal4`); None when it is not installed."""
+    for folder in LIBRARY_DIRS:
+        for name in TCMALLOC_NAMES:
+            if (path := Path(folder) / name).exists():
+                return str(path)
+    return None
+
+
+def cpu_env(threads: int = 1, cpus: str = "", reserved_cpus: int | None = 0,
+            preload: Sequence[str] = ()) -> dict[str, str]:
+    """The environment of a vLLM CPU process: where its model worker's OpenMP threads run, and what it preloads.
+
+    `reserved_cpus=0` (ours): no core reserved, `threads` OpenMP threads unbound, or bound to
+    `cpus` ("0-1") when given. `reserved_cpus=None`: vLLM's own placement (`VLLM_CPU_OMP_THREADS_BIND=auto`
+    and its default reservation, one core kept for the API server and the engine core when it
+    serves; `threads` and `cpus` are not used). `reserved_cpus=k`: auto binding with k cores kept.
+    `preload`: libraries put before LD_PRELOAD (vLLM adds torch's libgomp itself)."""
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+           "PYTHONWARNINGS": "ignore::DeprecationWarning"}
+    if reserved_cpus is None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "auto"
+    else:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus or ("nobind" if reserved_cpus == 0 else "auto")
+        if reserved_cpus == 0 and not cpus:
+            env["OMP_NUM_THREADS"] = str(max(threads, 1))
+    if preload:
+        env["LD_PRELOAD"] = ":".join([*preload, *filter(None, [os.environ.get("LD_PRELOAD", "")])])
+    return env
+
+
 class VllmServer(ServerProcess):
     """`python -m vllm.entrypoints.openai.api_server` serving `model_path` on host:port, on CPU.
 
     `threads`: the OpenMP threads of its model worker (`OMP_NUM_THREADS`, with
     `VLLM_CPU_OMP_THREADS_BIND=nobind` and no reserved core: vLLM reserves one by default), or
-    `cpus` ("0-1") to bind them to those cores instead. `kv_cache_bytes`: its KV cache
-    (`--kv-cache-memory-bytes`). `dtype` should be the trainer's (float32 on CPU). `api_key`: what
-    clients of its /v1 routes must send (`--api-key`).
+    `cpus` ("0-1") to bind them to those cores instead; `reserved_cpus=None` leaves the placement to
+    vLLM (`cpu_env`). `kv_cache_bytes`: its KV cache (`--kv-cache-memory-bytes`). `dtype` should be
+    the trainer's (float32 on CPU). `api_key`: what clients of its /v1 routes must send
+    (`--api-key`). `torch_compile`: vLLM's default, torch.compile with inductor (minutes to start on a
+    CPU, and a C compiler); off (`--enforce-eager`) unless asked, so that a rollout starts in
+    seconds. `max_num_seqs`: its batch limit (0: vLLM's default). `preload`: libraries to
+    LD_PRELOAD (`find_tcmalloc`).
     """
 
     kind = "vLLM"
 
     def __init__(self, model_path: str | Path, *, host: str = "127.0.0.1", port: int = 8000,
                  python: str | Path | None = None, dtype: str = "float32", threads: int = 1, cpus: str = "",
+                 reserved_cpus: int | None = 0, torch_compile: bool = False, max_num_seqs: int = 0,
+                 preload: Sequence[str] = (),
                  kv_cache_bytes: int = 64 * 2**20, max_model_len: int = 0, api_key: str | None = None,
                  extra_args: Sequence[str] = (),
                  env: dict[str, str] | None = None, log_path: str | Path | None = None,
                  stop_timeout_s: float = 30.0) -> None:
         check_model(model_path)
-        server_env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                      "VLLM_CPU_OMP_THREADS_BIND": cpus or "nobind", "VLLM_NO_USAGE_STATS": "1",
-                      "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONWARNINGS": "ignore::DeprecationWarning"}
-        if not cpus:
-            server_env["OMP_NUM_THREADS"] = str(max(threads, 1))
+        server_env = cpu_env(threads, cpus, reserved_cpus, preload)
         super().__init__(host=host, port=port, command=[str(find_python(python)), "-m", MODULE],
                          extra_args=extra_args, env={**server_env, **(env or {})}, log_path=log_path,
                          stop_timeout_s=stop_timeout_s)
@@ -124,15 +163,21 @@ class VllmServer(ServerProcess):
         self.kv_cache_bytes = kv_cache_bytes
         self.max_model_len = max_model_len
         self.api_key = api_key
+        self.torch_compile = torch_compile
+        self.max_num_seqs = max_num_seqs
 
     def argv(self) -> list[str]:
         argv = [*self.command, "--model", self.model_path, "--served-model-name", SERVED_NAME,
                 "--host", self.host, "--port", str(self.port), "--dtype", self.dtype,
                 "--kv-cache-memory-bytes", str(int(self.kv_cache_bytes)),
-                # compiling costs minutes on a CPU and needs a C compiler; the log-probs are those of
-                # the distribution sampled from (temperature, top-p/k applied), as our trainer scores
-                "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--disable-log-stats",
+                # the log-probs are those of the distribution sampled from (temperature, top-p/k
+                # applied), as our trainer scores
+                "--logprobs-mode", "processed_logprobs", "--disable-log-stats",
                 "--enable-server-load-tracking"]  # /load counts requests only with it
+        if not self.torch_compile:
+            argv.append("--enforce-eager")
+        if self.max_num_seqs:
+            argv += ["--max-num-seqs", str(self.max_num_seqs)]
         if self.max_model_len:
             argv += ["--max-model-len", str(self.max_model_len)]
         if self.api_key:  # required of /v1 clients (a multi-node run's engines listen off loopback)
