@@ -1,4 +1,5 @@
-"""`miles-async bench loop --quick` runs end to end and prints one JSON object (tiny sizes; no speed asserted)."""
+"""`miles-async bench loop --quick` runs end to end and prints one JSON object (tiny sizes; no speed asserted),
+with each run's thread counts recorded and every ratio taken against the better sync and TRL runs."""
 
 from __future__ import annotations
 
@@ -22,9 +23,16 @@ def test_bench_loop_quick_prints_sync_async_and_trl_side_by_side():
     settings = result["settings"]
     assert settings["samples_per_run"] == settings["steps"] * settings["batch_groups"] * settings["group_size"]
     assert result["warm_start"]["sft_steps"] > 0
-    for mode, staleness in (("sync", 0), ("async", settings["max_staleness_async"])):
-        run = result[mode]
+    threads = settings["threads_per_phase"]
+    assert threads["sync"] == [1, 2] and threads["trl"] == [1, 2]
+    assert threads["async"] == {"engine": 1, "trainer": 1}  # the recipe's: one core each, at once
+    sync = result["sync"]
+    assert set(sync) == {"threads_1", "threads_2", "best", "samples_per_s", "note"}
+    runs = [("sync", 0, 1, sync["threads_1"]), ("sync", 0, 2, sync["threads_2"]),
+            ("async", settings["max_staleness_async"], 1, result["async"])]
+    for mode, staleness, num_threads, run in runs:
         assert run["mode"] == mode and run["max_staleness"] == staleness
+        assert run["engine_threads"] == num_threads and run["trainer_threads"] == num_threads, (mode, num_threads)
         assert run["samples_per_s"] > 0 and 0.0 <= run["trainer_idle_fraction"] <= 1.0, mode
         assert run["measured_steps"] == settings["steps"] - settings["warmup_steps"]
         assert run["measured_samples"] == run["measured_steps"] * settings["samples_per_step"]
@@ -34,9 +42,16 @@ def test_bench_loop_quick_prints_sync_async_and_trl_side_by_side():
         assert tokens["num_samples"] >= settings["samples_per_run"]
         assert 1 <= tokens["p50"] <= tokens["p90"] <= tokens["p99"] <= tokens["max"] <= settings["max_new_tokens"]
         assert run["whole_rl_phase"]["steps"] == settings["steps"]
-    assert result["sync"]["staleness_mean"] == 0.0
+        if mode == "sync":
+            assert run["staleness_mean"] == 0.0
+    # the ratio's base is the better sync run, recomputed from the recorded figures
+    better = max(sync["threads_1"]["samples_per_s"], sync["threads_2"]["samples_per_s"])
+    assert sync[sync["best"]]["samples_per_s"] == better == sync["samples_per_s"]
     ratios = result["ratios"]
-    assert ratios["async_over_sync"] > 0
+    assert ratios["sync_samples_per_s"] == better and ratios["sync_best"] == sync["best"]
+    assert ratios["async_over_sync"] == round(result["async"]["samples_per_s"] / better, 3) > 0
+    assert result["meets_targets"]["async_over_sync"] == (
+        ratios["async_over_sync"] >= ratios["targets"]["async_over_sync_min"])
     assert set(result["meets_targets"]) == {"async_over_sync", "async_over_trl", "all"}
     assert isinstance(result["meets_targets"]["async_over_sync"], bool)
     if importlib.util.find_spec("trl") is None:
@@ -44,15 +59,33 @@ def test_bench_loop_quick_prints_sync_async_and_trl_side_by_side():
         assert result["meets_targets"]["async_over_trl"] is None
     else:
         peer = result["trl"]
-        assert set(peer) == {"threads_1", "threads_2", "best", "note"}
-        for key, threads in (("threads_1", 1), ("threads_2", 2)):
-            assert peer[key]["samples_per_s"] > 0 and peer[key]["torch_threads"] == threads
+        assert set(peer) == {"threads_1", "threads_2", "best", "samples_per_s", "note"}
+        for key, num_threads in (("threads_1", 1), ("threads_2", 2)):
+            assert peer[key]["samples_per_s"] > 0 and peer[key]["torch_threads"] == num_threads
             assert peer[key]["measured_steps"] == settings["steps"] - settings["warmup_steps"]
             assert peer[key]["prompts_in_order"] and peer[key]["prompt_ids_match_ours"]
-        assert ratios["trl_samples_per_s"] == peer[peer["best"]]["samples_per_s"]
-        assert ratios["async_over_trl"] > 0 and isinstance(result["meets_targets"]["async_over_trl"], bool)
+        trl_better = max(peer["threads_1"]["samples_per_s"], peer["threads_2"]["samples_per_s"])
+        assert ratios["trl_samples_per_s"] == peer[peer["best"]]["samples_per_s"] == trl_better
+        assert ratios["async_over_trl"] == round(result["async"]["samples_per_s"] / trl_better, 3) > 0
+        assert ratios["sync_over_trl"] == round(better / trl_better, 3)
+        assert isinstance(result["meets_targets"]["async_over_trl"], bool)
     assert result["machine"]["free_cores_before"] > 0 and result["machine"]["free_cores_after"] > 0
     assert "[bench loop] ours, async:" in done.stderr
+    assert "[bench loop] ours, sync, 2 thread(s) per phase:" in done.stderr
+
+
+def test_bench_loop_takes_every_ratio_against_the_better_sync_and_trl_runs():
+    """Either thread count may win: the best is picked by figure, not by position."""
+    from miles_async.bench.loop import _meets_targets, _ratios, _with_best
+
+    for slow, fast in (("threads_1", "threads_2"), ("threads_2", "threads_1")):
+        sync = _with_best({slow: {"samples_per_s": 100.0}, fast: {"samples_per_s": 200.0}}, "")
+        peer = _with_best({fast: {"samples_per_s": 50.0}, slow: {"samples_per_s": 80.0}}, "")
+        assert (sync["best"], sync["samples_per_s"], peer["best"]) == (fast, 200.0, slow)
+        ratios = _ratios({"sync": sync, "async": {"samples_per_s": 290.0}, "trl": peer})
+        assert (ratios["async_over_sync"], ratios["async_over_trl"], ratios["sync_over_trl"]) == (1.45, 3.625, 2.5)
+        assert (ratios["sync_samples_per_s"], ratios["sync_best"], ratios["trl_samples_per_s"]) == (200.0, fast, 80.0)
+        assert _meets_targets(ratios) == {"async_over_sync": False, "async_over_trl": True, "all": False}
 
 
 @pytest.mark.timeout(60)
