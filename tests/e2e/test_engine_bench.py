@@ -89,7 +89,7 @@ def test_bench_engine_vs_vllm_per_model_and_thread_count_with_step_times_beside_
                                             / run["vllm_offline"]["tokens_per_s"], 2)
     assert result["ratios"]["vs_vllm_cpu"] == {"smollm2": {"1": run["ratio"]}} and run["ratio"] > 0
     assert result["ratios"]["vs_vllm_cpu_in_process"] == {"smollm2": {"1": run["ratio_in_process"]}}
-    steps = result["decode_steps"]["1"]
+    steps = result["decode_steps"]["smollm2"]["1"]
     assert [row["batch"] for row in steps["steps"]] == [1, 2]
     for row in steps["steps"]:
         assert row["step_ms"] > 0 and row["weight_streaming_bound_ms"] > 0 and row["compute_bound_ms"] > 0
