@@ -34,7 +34,7 @@ tokens/s, both over HTTP), `ratios.vs_vllm_cpu_in_process` and `decode_steps[mod
 
     miles-async bench engine --json
     miles-async bench engine --json --num-requests 64 --max-output 128    # a quick look
-    miles-async bench engine --vs-vllm --json                             # ~40 min on 2 cores
+    miles-async bench engine --vs-vllm --json                             # ~30 min on 2 cores
     miles-async bench engine --vs-vllm --json --dtype bfloat16 --models smollm2
     miles-async bench engine --speculative --json                         # miles_async/bench/engine_speculative.py
 """
