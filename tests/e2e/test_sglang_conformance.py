@@ -467,7 +467,10 @@ group = scope["init_custom_process_group"](backend="gloo", init_method=f"tcp://1
 for shape, dtype in ((2, 3), torch.float32), ((4,), torch.bfloat16):  # as receive_weights_from_distributed does
     tensor = torch.empty(shape, dtype=dtype)
     torch.distributed.broadcast(tensor, src=0, group=group)
-    print(tensor.float().sum().item())
+    print(tensor.float().sum().item(), flush=True)
+# as SGLang's destroy_weights_update_group does: a gloo group left at exit can abort the
+# interpreter's teardown ("terminate called without an active exception", SIGABRT)
+torch.distributed.destroy_process_group(group)
 """
 
 
