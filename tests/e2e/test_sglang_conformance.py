@@ -28,6 +28,7 @@ import asyncio
 import base64
 import inspect
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -479,8 +480,10 @@ def test_sglangs_own_group_code_joins_the_pushers_group_and_receives(sglang, tmp
     from miles_async.actors.distributed import send_tensors
 
     store = WeightGroup.open_store("127.0.0.1", 2, 30)
+    # the member binds gloo to loopback whatever interface an earlier test in this worker named
+    env = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")}
     member = subprocess.Popen([sys.executable, "-c", SGLANG_MEMBER, str(_wheel()), str(store.port), "miles-g"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         group = WeightGroup.join("127.0.0.1", store.port, 0, 2, store=store, name="miles-g", sglang=True,
                                  timeout_s=30)
@@ -489,7 +492,7 @@ def test_sglangs_own_group_code_joins_the_pushers_group_and_receives(sglang, tmp
         group.close()
     finally:
         member.kill()
-    assert member.returncode == 0, err[-2000:]
+    assert member.returncode == 0, (out, err[-2000:])
     assert [float(x) for x in out.split()] == [6.0, 2.0]
     sglang.record("weight-update group: SGLang's init_custom_process_group joined our rank 0 (gloo)", True)
 
