@@ -29,6 +29,8 @@ from typing import Literal
 import msgspec
 import torch
 
+from miles_async.bench.vllm_offline import RESULT
+
 # The model of /work/shared/peers/hf_generate.py (random-init Qwen2, hidden 256, 4 layers, 4 heads,
 # vocab 1024); max_position_embeddings raised from 512 to hold 128 prompt + 512 output tokens.
 PEER_NOTE_MODEL = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -90,6 +92,14 @@ def hf_static_batches(model_dir: str, workload: Sequence[tuple[list[int], int]],
     }
 
 
+def _run_child(argv: list[str], spec: dict, timeout_s: float, **run: object) -> subprocess.CompletedProcess:
+    """`argv` plus the path of a temporary JSON file holding `spec`: how both peers' own processes get their work."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="bench-engine-peer-") as f:
+        json.dump(spec, f)
+        f.flush()
+        return subprocess.run([*argv, f.name], text=True, timeout=timeout_s, check=False, **run)  # type: ignore[call-overload]
+
+
 def hf_in_own_process(model_dir: str, workload: Sequence[tuple[list[int], int]], batch_size: int, threads: int,
                       timeout_s: float = 3600.0) -> dict:
     """`hf_static_batches` and `hf_reference_point` in a Python process of their own on `threads`
@@ -98,11 +108,8 @@ def hf_in_own_process(model_dir: str, workload: Sequence[tuple[list[int], int]],
     progress lines pass through to stderr."""
     spec = {"model_dir": model_dir, "workload": [[p, n] for p, n in workload], "batch_size": batch_size,
             "threads": threads}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="hf-generate-") as f:
-        json.dump(spec, f)
-        f.flush()
-        done = subprocess.run([sys.executable, "-m", "miles_async.bench.engine_peers", "--child", f.name],
-                              stdout=subprocess.PIPE, text=True, timeout=timeout_s, check=False)
+    done = _run_child([sys.executable, "-m", "miles_async.bench.engine_peers", "--child"], spec, timeout_s,
+                      stdout=subprocess.PIPE)
     if done.returncode != 0:
         raise RuntimeError(f"the HF generate process exited with {done.returncode} (its stderr above)")
     return json.loads(done.stdout)
@@ -245,21 +252,16 @@ def vllm_offline_throughput(model_dir: str, workload: Sequence[tuple[list[int], 
     spec = {"model": model_dir, "workload": [[p, n] for p, n in workload], "dtype": settings.dtype,
             "kv_cache_bytes": settings.kv_cache_bytes, "max_num_seqs": settings.max_num_seqs,
             "max_model_len": 0, "torch_compile": settings.torch_compile}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="vllm-offline-") as f:
-        json.dump(spec, f)
-        f.flush()
-        started = time.perf_counter()
-        done = subprocess.run([str(find_python()), os.path.join(os.path.dirname(__file__), "vllm_offline.py"), f.name],
-                              env={**os.environ, **settings.env()}, capture_output=True, text=True,
-                              timeout=timeout_s, check=False)
+    started = time.perf_counter()
+    done = _run_child([str(find_python()), os.path.join(os.path.dirname(__file__), "vllm_offline.py")], spec,
+                      timeout_s, env={**os.environ, **settings.env()}, capture_output=True)
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-4000:])
         raise RuntimeError(f"vLLM's offline run exited with {done.returncode} (its stderr above)")
-    prefix = "vllm-offline-result: "  # miles_async/bench/vllm_offline.py's RESULT (vLLM writes to stdout too)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(prefix)]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]  # vLLM writes to stdout too
     if not lines:
         raise RuntimeError(f"vLLM's offline run printed no result; its stdout ended: {done.stdout[-2000:]!r}")
-    out = json.loads(lines[-1].removeprefix(prefix))
+    out = json.loads(lines[-1].removeprefix(RESULT))
     assert out["useful_tokens"] == sum(n for _, n in workload), "every request must produce exactly its length"
     result = _record(settings, out["useful_tokens"], out["wall_s"], out["start_s"],
                      f"LLM(enforce_eager={not settings.torch_compile}, max_num_seqs={settings.max_num_seqs}, "
